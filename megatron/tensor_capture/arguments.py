@@ -1,0 +1,122 @@
+"""The tensor-capture argument group (flag names from the original system) and its validation.
+
+`TENSOR_SAVE_ENABLED` and `TENSOR_SAVE_DIR` in the environment seed the defaults of
+`--save-tensors` and `--tensor-save-dir`; flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron.tensor_capture.policy import GROUPS, parse_filter, parse_kinds, parse_layers
+
+ENV_ENABLED = "TENSOR_SAVE_ENABLED"
+ENV_DIR = "TENSOR_SAVE_DIR"
+DEFAULT_DIR = "./enhanced_tensor_logs"
+MODES = ("full", "stats")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def add_tensor_args(parser):
+    group = parser.add_argument_group(title="tensor capture")
+    group.add_argument("--save-tensors", action=argparse.BooleanOptionalAction, default=None,
+                       help="Capture the tensors of the attention and linear GEMMs (forward "
+                            "and backward, high precision and quantized) with their statistics "
+                            "(docs/capture-format.md). Default: on if $" + ENV_ENABLED +
+                            " is 1/true/yes/on, else off; --no-save-tensors overrides it.")
+    group.add_argument("--tensor-save-dir", type=str, default=None, metavar="DIR",
+                       help="Directory for captures; records go to DIR/<quant scheme>/. "
+                            f"Default: ${ENV_DIR} if set, else {DEFAULT_DIR}.")
+    group.add_argument("--control-iter", type=int, default=1, metavar="N",
+                       help="Capture the first N iterations of the run, then end it cleanly "
+                            "(exit code 0, after saving if --save). 0 = capture every "
+                            "iteration and do not stop early.")
+    group.add_argument("--collect-micro-batches", type=int, default=1, metavar="M",
+                       help="Number of micro-batches captured in each captured iteration (the "
+                            "first M; default 1).")
+    group.add_argument("--tensor-save-layers", nargs="+", default=None, metavar="LAYER",
+                       help="Capture only these layers: 1-based transformer layer numbers, "
+                            "ranges like 2-4, negative numbers from the last layer, 0 for the "
+                            "output layer; comma- or space-separated. Default: every layer.")
+    group.add_argument("--tensor-save-filter", type=str, default=None, metavar="REGEX",
+                       help="Capture only records whose name matches this regular expression "
+                            "(re.search on e.g. 'linear_L2_forward_pre_linear_input_linear_fc1', "
+                            "see docs/capture-format.md).")
+    group.add_argument("--tensor-save-kinds", nargs="+", default=None, metavar="KIND",
+                       help="Which tensors: tokens [attention.|linear.]<name or group>, e.g. "
+                            "'attention.query linear.grad_weight backward'. Groups: "
+                            f"{', '.join(GROUPS)}. Default: 'default' = attention q/k/v/output "
+                            "and their gradients, linear input/weight/output, grad_output and "
+                            "grad_input, plus every operand a quantized GEMM uses.")
+    group.add_argument("--tensor-save-mode", type=str, default="full",
+                       metavar="{full,stats}",
+                       help="full (default): write each tensor, its quantized version and "
+                            "statistics to a .pt file; stats: no tensor data, only the "
+                            "statistics in the manifest (cheap enough for every iteration with "
+                            "--control-iter 0).")
+    group.add_argument("--tensor-save-continue-on-error", action="store_true",
+                       help="When capture fails (full disk, unwritable directory), stop "
+                            "capturing and keep training instead of ending the run with an "
+                            "error.")
+    group.add_argument("--tensor-save-queue-size", type=int, default=256, metavar="N",
+                       help="Maximum number of records waiting for the writer thread; the "
+                            "training step waits (back-pressure) when it is full (default 256).")
+    group.add_argument("--tensor-save-queue-mb", type=float, default=1024.0, metavar="MB",
+                       help="Maximum host memory (MiB) held by records waiting for the writer "
+                            "thread (default 1024; a single larger record is still accepted "
+                            "alone).")
+    group.add_argument("--tensor-save-drain-timeout", type=float, default=600.0,
+                       metavar="SECONDS",
+                       help="Seconds to wait at the end of the run for the writer to finish "
+                            "pending records before giving up on them (default 600).")
+    return parser
+
+
+def _env_flag(name: str) -> bool:
+    from megatron.training.arguments import ConfigError
+
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={os.environ[name]!r} is not a boolean; valid: "
+                      f"{', '.join(_TRUE + _FALSE[1:])} (or unset)")
+
+
+def validate_tensor_args(args) -> None:
+    """Apply environment defaults and parse the selection flags into args.tensor_capture_*."""
+    from megatron.training.arguments import ConfigError
+
+    if args.save_tensors is None:
+        args.save_tensors = _env_flag(ENV_ENABLED)
+    if args.tensor_save_dir is None:
+        args.tensor_save_dir = os.environ.get(ENV_DIR) or DEFAULT_DIR
+    if not str(args.tensor_save_dir).strip():
+        raise ConfigError("--tensor-save-dir is empty; give a directory path")
+    if args.control_iter < 0:
+        raise ConfigError(f"--control-iter {args.control_iter} is invalid; valid: 0 (capture "
+                          "every iteration, no early stop) or a positive number of iterations")
+    if args.collect_micro_batches < 1:
+        raise ConfigError(f"--collect-micro-batches {args.collect_micro_batches} is invalid; "
+                          "valid: a positive number of micro-batches")
+    if args.tensor_save_mode not in MODES:
+        raise ConfigError(f"--tensor-save-mode {args.tensor_save_mode!r} is invalid; valid: "
+                          f"{', '.join(MODES)}")
+    if args.tensor_save_queue_size < 1:
+        raise ConfigError(f"--tensor-save-queue-size {args.tensor_save_queue_size} is invalid; "
+                          "valid: a positive number of records")
+    if not args.tensor_save_queue_mb > 0:
+        raise ConfigError(f"--tensor-save-queue-mb {args.tensor_save_queue_mb} is invalid; "
+                          "valid: a positive number of MiB")
+    if not args.tensor_save_drain_timeout > 0:
+        raise ConfigError(f"--tensor-save-drain-timeout {args.tensor_save_drain_timeout} is "
+                          "invalid; valid: a positive number of seconds")
+    try:
+        args.tensor_capture_layers = parse_layers(args.tensor_save_layers, args.num_layers)
+        args.tensor_capture_kinds = parse_kinds(args.tensor_save_kinds)
+        args.tensor_capture_filter = parse_filter(args.tensor_save_filter)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

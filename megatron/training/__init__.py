@@ -1,0 +1,1 @@
+"""Training layer (arguments, loop, checkpointing) on top of pip's megatron.core."""

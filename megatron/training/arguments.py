@@ -1,0 +1,679 @@
+"""Command-line arguments in Megatron-LM's shape.
+
+Flags, dests and defaults follow Megatron-LM (core_v0.16.1) for everything this stack supports.
+Each group is one function `_add_<group>_args(parser) -> parser`; a new group (quantization,
+tensor capture, ...) is added by writing one such function and listing it in `ARGUMENT_GROUPS`.
+
+`parse_args` applies a `--model-preset` underneath the command line: preset values replace the
+built-in defaults, and any flag given explicitly still wins. `validate_args` derives the
+remaining values (data-parallel size, padded sizes, defaults that depend on other flags) and
+rejects impossible combinations with a message that names the flags involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+from typing import Callable, Iterable, List, Optional
+
+from megatron.training.presets import MODEL_PRESETS, preset_defaults
+from megatron.training.tokenizer import add_tokenizer_args
+
+
+class ConfigError(ValueError):
+    """An impossible or incomplete configuration, reported before anything is built."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_network_size_args(parser):
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--model-preset", type=str, default=None, choices=sorted(MODEL_PRESETS),
+                       help="Architecture preset (see README). Its values replace the defaults "
+                            "below; flags given explicitly on the command line still win.")
+    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="Transformer feed-forward network hidden size. Default: 4 x hidden "
+                            "size, or the SwiGLU equivalent (8/3 x hidden, rounded down to a "
+                            "multiple of 64) with --swiglu.")
+    group.add_argument("--num-attention-heads", type=int, default=None,
+                       help="Number of transformer attention heads.")
+    group.add_argument("--kv-channels", type=int, default=None,
+                       help="Projection size per attention head. Default: hidden size / heads.")
+    group.add_argument("--group-query-attention", action="store_true",
+                       help="Use grouped-query attention (see --num-query-groups).")
+    group.add_argument("--num-query-groups", type=int, default=1,
+                       help="Number of key/value head groups with --group-query-attention.")
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Maximum sequence length the position embedding supports. "
+                            "Default: --seq-length.")
+    group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
+                       choices=["learned_absolute", "rope", "none"],
+                       help="Position embedding type.")
+    group.add_argument("--rotary-base", type=int, default=10000,
+                       help="Base of the rotary position embedding frequencies (rope theta).")
+    group.add_argument("--rotary-percent", type=float, default=1.0,
+                       help="Fraction of each head's dimensions that get rotary embedding.")
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="Apply Llama 3.x rope scaling (low/high frequency factors 1 and 4, "
+                            "original context 8192).")
+    group.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                       help="Llama 3.x rope scaling factor (8 for Llama 3.1, 32 for Llama 3.2). "
+                            "Unlike Megatron-LM 0.16, this value is passed to the model.")
+    group.add_argument("--normalization", type=str, default="LayerNorm",
+                       choices=["LayerNorm", "RMSNorm"], help="Normalization layer type.")
+    group.add_argument("--norm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon",
+                       help="Epsilon of the normalization layers.")
+    group.add_argument("--swiglu", action="store_true",
+                       help="Use gated linear units and SiLU activation instead of GeLU.")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="Untie the input embedding and the output layer weights.")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                       help="Disable bias in the linear layers.")
+    group.add_argument("--qk-layernorm", action="store_true",
+                       help="Apply a normalization layer to queries and keys (MLA: to the "
+                            "latent q and kv).")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Pad the vocabulary size to a multiple of this value (times the "
+                            "tensor-parallel size).")
+    return parser
+
+
+def _add_mla_args(parser):
+    group = parser.add_argument_group(title="multi-latent attention")
+    group.add_argument("--multi-latent-attention", action="store_true",
+                       help="Use multi-latent attention (DeepSeek-V2).")
+    group.add_argument("--q-lora-rank", type=int, default=None,
+                       help="Rank of the query low-rank projection; None = full query projection.")
+    group.add_argument("--kv-lora-rank", type=int, default=32,
+                       help="Rank of the key/value low-rank (latent) projection.")
+    group.add_argument("--qk-head-dim", type=int, default=128,
+                       help="Dimension of the non-rotary part of each query/key head.")
+    group.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                       help="Dimension of the rotary part of each query/key head.")
+    group.add_argument("--v-head-dim", type=int, default=128, help="Dimension of each value head.")
+    group.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                       help="YaRN rotary scaling factor (MLA).")
+    group.add_argument("--mscale", type=float, default=1.0, help="YaRN mscale (MLA).")
+    group.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN mscale_all_dim (MLA).")
+    return parser
+
+
+def _parse_moe_layer_freq(value: str):
+    """An int N (every N-th layer is MoE) or a Python list expression such as '([0]+[1]*26)'."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        parsed = _eval_list_expression(value)
+    except (ValueError, SyntaxError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"invalid --moe-layer-freq {value!r}: give an int or a list such as '([0]+[1]*26)'"
+        ) from exc
+    if not isinstance(parsed, list) or not all(v in (0, 1) for v in parsed):
+        raise argparse.ArgumentTypeError(
+            f"invalid --moe-layer-freq {value!r}: the list must hold only 0 and 1")
+    return parsed
+
+
+def _eval_list_expression(text: str):
+    """Evaluate list literals joined by + and * with ints, without eval()."""
+
+    def walk(node):
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.List):
+            return [walk(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = walk(node.left), walk(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"unsupported expression element {ast.dump(node)}")
+
+    return walk(ast.parse(text.strip(), mode="eval"))
+
+
+def _add_moe_args(parser):
+    group = parser.add_argument_group(title="mixture of experts")
+    group.add_argument("--num-experts", type=int, default=None,
+                       help="Number of routed experts (enables MoE).")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1,
+                       help="Degree of expert model parallelism.")
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                       help="Hidden size of each routed expert. Default: --ffn-hidden-size.")
+    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                       help="Total hidden size of the shared experts; None = no shared expert.")
+    group.add_argument("--moe-router-topk", type=int, default=2,
+                       help="Number of experts each token is routed to.")
+    group.add_argument("--moe-layer-freq", type=_parse_moe_layer_freq, default=1,
+                       help="MoE layer pattern: an int N (every N-th layer) or a list of 0/1 "
+                            "per layer, e.g. '([0]+[1]*26)'.")
+    group.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss",
+                       choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
+                       help="Router load-balancing loss.")
+    group.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                       help="Scaling coefficient of the load-balancing loss.")
+    group.add_argument("--moe-router-score-function", type=str, default="softmax",
+                       choices=["softmax", "sigmoid"], help="Router score function.")
+    group.add_argument("--moe-router-pre-softmax", action="store_true",
+                       help="Softmax over all experts before top-k (DeepSeek-V2).")
+    group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                       help="Scaling factor of the routing scores.")
+    group.add_argument("--moe-router-dtype", type=str, default=None, choices=["fp32", "fp64"],
+                       help="Data type of the router computation.")
+    group.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+                       choices=["allgather", "alltoall"],
+                       help="Token dispatcher. 'alltoall' needs CUDA streams (GPU only).")
+    return parser
+
+
+def _add_regularization_args(parser):
+    group = parser.add_argument_group(title="regularization")
+    group.add_argument("--attention-dropout", type=float, default=0.1,
+                       help="Post attention dropout probability.")
+    group.add_argument("--hidden-dropout", type=float, default=0.1,
+                       help="Dropout probability for hidden state transformer.")
+    group.add_argument("--weight-decay", type=float, default=0.01,
+                       help="Weight decay coefficient for L2 regularization.")
+    group.add_argument("--clip-grad", type=float, default=1.0,
+                       help="Gradient clipping based on global L2 norm (0 disables).")
+    group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    group.add_argument("--adam-eps", type=float, default=1e-08, help="Adam epsilon.")
+    return parser
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group(title="training")
+    group.add_argument("--micro-batch-size", type=int, default=None,
+                       help="Batch size per model instance (local batch size).")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Training batch size; a multiple of micro batch x data-parallel size "
+                            "(the rest is gradient accumulation). Default: micro batch x DP.")
+    group.add_argument("--train-iters", type=int, default=None,
+                       help="Total number of iterations to train over all training runs.")
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="Exit (after saving if --save) when the iteration is divisible "
+                            "by this value.")
+    group.add_argument("--exit-duration-in-mins", type=float, default=None,
+                       help="Exit (after saving if --save) after this many minutes of training.")
+    group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"],
+                       help="Optimizer function.")
+    return parser
+
+
+def _add_initialization_args(parser):
+    group = parser.add_argument_group(title="initialization")
+    group.add_argument("--seed", type=int, default=1234,
+                       help="Random seed used for python, numpy, torch and the data sampler.")
+    group.add_argument("--init-method-std", type=float, default=0.02,
+                       help="Standard deviation of the zero-mean normal weight initialization.")
+    return parser
+
+
+def _add_learning_rate_args(parser):
+    group = parser.add_argument_group(title="learning rate")
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument("--lr-decay-style", type=str, default="linear",
+                       choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                       help="Learning rate decay function.")
+    group.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="Number of iterations to decay the learning rate over. "
+                            "Default: --train-iters.")
+    group.add_argument("--lr-wsd-decay-style", type=str, default="exponential",
+                       choices=["exponential", "linear", "cosine", "minus_sqrt"],
+                       help="Decay style of the WSD schedule's final phase.")
+    group.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                       help="Number of iterations of the WSD schedule's final decay phase.")
+    group.add_argument("--lr-warmup-iters", type=int, default=0,
+                       help="Number of iterations to linearly warm up the learning rate over.")
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="Fraction of the decay iterations used for warm-up (instead of "
+                            "--lr-warmup-iters).")
+    group.add_argument("--lr-warmup-init", type=float, default=0.0,
+                       help="Initial learning rate of the warm-up.")
+    group.add_argument("--min-lr", type=float, default=0.0,
+                       help="Minimum value of the learning rate.")
+    return parser
+
+
+def _add_checkpointing_args(parser):
+    group = parser.add_argument_group(title="checkpointing")
+    group.add_argument("--save", type=str, default=None, help="Output directory to save checkpoints to.")
+    group.add_argument("--save-interval", type=int, default=None,
+                       help="Number of iterations between checkpoint saves.")
+    group.add_argument("--load", type=str, default=None,
+                       help="Directory containing a model checkpoint to resume from.")
+    group.add_argument("--no-load-optim", action="store_true",
+                       help="Do not load optimizer state when loading a checkpoint.")
+    group.add_argument("--no-load-rng", action="store_true",
+                       help="Do not load the random number generator states.")
+    return parser
+
+
+def _add_mixed_precision_args(parser):
+    group = parser.add_argument_group(title="mixed precision")
+    group.add_argument("--fp16", action="store_true", help="Run the model in fp16 mode.")
+    group.add_argument("--bf16", action="store_true", help="Run the model in bfloat16 mode.")
+    group.add_argument("--loss-scale", type=float, default=None,
+                       help="Static loss scale for fp16; None = dynamic loss scaling.")
+    group.add_argument("--initial-loss-scale", type=float, default=2 ** 32,
+                       help="Initial loss scale of dynamic loss scaling (fp16).")
+    group.add_argument("--grad-reduce-in-bf16", action="store_true",
+                       help="Reduce gradients in bfloat16 instead of fp32 (with --bf16).")
+    return parser
+
+
+def _add_distributed_args(parser):
+    group = parser.add_argument_group(title="distributed")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                       help="Degree of tensor model parallelism.")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                       help="Degree of pipeline model parallelism.")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="Enable sequence parallelism (needs tensor parallelism).")
+    group.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="Shard optimizer state across data-parallel ranks.")
+    group.add_argument("--distributed-backend", type=str, default=None, choices=["nccl", "gloo"],
+                       help="torch.distributed backend. Default: nccl with CUDA, gloo without.")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout for collective communication, in minutes.")
+    return parser
+
+
+def _add_validation_args(parser):
+    group = parser.add_argument_group(title="validation")
+    group.add_argument("--eval-iters", type=int, default=100,
+                       help="Number of iterations to run for evaluation (validation and test).")
+    group.add_argument("--eval-interval", type=int, default=1000,
+                       help="Interval between running evaluation on the validation set.")
+    return parser
+
+
+def _add_data_args(parser):
+    group = parser.add_argument_group(title="data and dataloader")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="Path prefixes of .bin/.idx datasets, optionally weighted for a "
+                            "blend: 'PATH' or 'W1 PATH1 W2 PATH2 ...'.")
+    group.add_argument("--split", type=str, default=None,
+                       help="Comma-separated train/valid/test proportions, e.g. '969,30,1' "
+                            "(the default with --data-path).")
+    group.add_argument("--mock-data", action="store_true",
+                       help="Train on synthetic data (megatron.core's MockGPTDataset).")
+    group.add_argument("--seq-length", type=int, default=None, help="Maximum sequence length to process.")
+    group.add_argument("--data-cache-path", type=str, default=None,
+                       help="Directory for the dataset index cache. Default: beside the data.")
+    group.add_argument("--num-workers", type=int, default=2, help="Dataloader worker processes.")
+    group.add_argument("--reset-position-ids", action="store_true",
+                       help="Reset position ids after end-of-document tokens.")
+    group.add_argument("--reset-attention-mask", action="store_true",
+                       help="Reset the attention mask after end-of-document tokens.")
+    group.add_argument("--eod-mask-loss", action="store_true",
+                       help="Mask the loss on end-of-document tokens.")
+    return parser
+
+
+def _add_tokenizer_args(parser):
+    return add_tokenizer_args(parser)
+
+
+def _add_logging_args(parser):
+    group = parser.add_argument_group(title="logging")
+    group.add_argument("--log-interval", type=int, default=100,
+                       help="Report loss and timing every this many iterations.")
+    group.add_argument("--tensorboard-dir", type=str, default=None,
+                       help="Write TensorBoard scalars to this directory.")
+    group.add_argument("--tensorboard-log-interval", type=int, default=1,
+                       help="Report to TensorBoard every this many iterations.")
+    return parser
+
+
+def _add_quantization_args(parser):
+    from megatron.quantization.schemes import (
+        ENV_SCHEME, GRAD_FORMATS, OVERRIDE_FORMATS, SCHEMES)
+
+    group = parser.add_argument_group(title="simulated low-precision GEMMs")
+    group.add_argument("--quant-scheme", type=str, default=None, choices=SCHEMES,
+                       help="Which GEMMs are simulated in low precision: bf16 (none), "
+                            "FA_<fmt> (attention QK^T only; PV stays high precision unless "
+                            "--attn-pv-quant is given), linear_<fmt> (every parallel linear "
+                            "of every transformer layer), FA_linear_<fmt> (both), with fmt "
+                            f"mxfp8/mxfp4/hifp8. Default: ${ENV_SCHEME} if set, else bf16.")
+    group.add_argument("--linear-quant", type=str, default=None, choices=OVERRIDE_FORMATS,
+                       help="Override the element format of the linear layers ('none' = "
+                            "high precision).")
+    group.add_argument("--attn-qk-quant", type=str, default=None, choices=OVERRIDE_FORMATS,
+                       help="Override the format of the attention QK^T GEMMs.")
+    group.add_argument("--attn-pv-quant", type=str, default=None, choices=OVERRIDE_FORMATS,
+                       help="Quantize the attention PV (probabilities x values) GEMMs in this "
+                            "format (no scheme quantizes PV by itself).")
+    group.add_argument("--quant-backward", action=argparse.BooleanOptionalAction, default=True,
+                       help="Also quantize the backward GEMMs (dgrad and wgrad) of quantized "
+                            "sites; --no-quant-backward keeps them in high precision.")
+    group.add_argument("--mx-scale-mode", type=str, default="floor", choices=["floor", "rceil"],
+                       help="MX shared-scale rule: floor (OCP spec: floor(log2 amax) - emax) or "
+                            "rceil (NVIDIA recipe: ceil(log2(amax / max_normal))).")
+    group.add_argument("--mx-grad-format", type=str, default="e4m3", choices=GRAD_FORMATS,
+                       help="Element format of the gradient operands of MXFP8 GEMMs (E4M3 as "
+                            "in NVIDIA's MXFP8 recipe, or E5M2).")
+    group.add_argument("--quant-skip-layers", nargs="*", default=None,
+                       help="Transformer layers kept in high precision: 1-based numbers, "
+                            "ranges like 2-4, negative numbers from the end (e.g. 1 -1 keeps "
+                            "the first and last layer in bf16).")
+    group.add_argument("--quant-output-layer", action="store_true",
+                       help="Also quantize the output (LM head) layer with the linear format.")
+    group.add_argument("--quant-check", action="store_true",
+                       help="Print the effective per-GEMM quantization configuration and exit.")
+    return parser
+
+
+def _validate_quantization_args(args):
+    from megatron.quantization.schemes import (
+        ENV_SCHEME, SchemeError, quant_config_from_args, scheme_from_env)
+
+    try:
+        if args.quant_scheme is None:
+            args.quant_scheme = scheme_from_env()
+            args.quant_scheme_source = ENV_SCHEME if os.environ.get(ENV_SCHEME) else "default"
+        else:
+            args.quant_scheme_source = "--quant-scheme"
+        args.quant_config = quant_config_from_args(args)
+    except SchemeError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _add_tensor_args(parser):
+    from megatron.tensor_capture.arguments import add_tensor_args
+
+    return add_tensor_args(parser)
+
+
+def _validate_tensor_args(args):
+    from megatron.tensor_capture.arguments import validate_tensor_args
+
+    validate_tensor_args(args)
+
+
+ARGUMENT_GROUPS: List[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = [
+    _add_network_size_args,
+    _add_regularization_args,
+    _add_training_args,
+    _add_initialization_args,
+    _add_learning_rate_args,
+    _add_checkpointing_args,
+    _add_mixed_precision_args,
+    _add_distributed_args,
+    _add_validation_args,
+    _add_data_args,
+    _add_tokenizer_args,
+    _add_moe_args,
+    _add_mla_args,
+    _add_logging_args,
+    _add_quantization_args,
+    _add_tensor_args,
+]
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    for add_group in ARGUMENT_GROUPS:
+        parser = add_group(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Iterable[str]] = None, extra_args_provider=None,
+               ignore_unknown_args: bool = False) -> argparse.Namespace:
+    """Parse `argv` (default sys.argv[1:]) with any --model-preset applied beneath the flags."""
+    argv = None if argv is None else list(argv)
+    parser = build_parser(extra_args_provider)
+    known, _ = parser.parse_known_args(argv)
+    if known.model_preset is not None:
+        parser.set_defaults(**preset_defaults(known.model_preset))
+    if ignore_unknown_args:
+        args, _ = parser.parse_known_args(argv)
+    else:
+        args = parser.parse_args(argv)
+    args.rank = int(os.getenv("RANK", "0"))
+    args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def parse_data_path(data_path: List[str]):
+    """['p'] -> (['p'], None); ['0.7', 'a', '0.3', 'b'] -> (['a', 'b'], [0.7, 0.3])."""
+    if len(data_path) == 1:
+        return list(data_path), None
+    _require(len(data_path) % 2 == 0,
+             f"--data-path {' '.join(data_path)}: a blend needs weight/path pairs "
+             "('W1 PATH1 W2 PATH2 ...') or a single path")
+    weights, paths = [], []
+    for weight, path in zip(data_path[0::2], data_path[1::2]):
+        try:
+            weights.append(float(weight))
+        except ValueError:
+            raise ConfigError(f"--data-path: blend weight {weight!r} (before {path!r}) is not a "
+                              "number; use 'W1 PATH1 W2 PATH2 ...'") from None
+        _require(weights[-1] > 0, f"--data-path: blend weight {weight} for {path} must be > 0")
+        paths.append(path)
+    return paths, weights
+
+
+def _check_dataset_prefix(prefix: str) -> None:
+    missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+    if missing:
+        raise ConfigError(
+            f"--data-path {prefix}: {', '.join(prefix + m for m in missing)} not found; pass the "
+            "prefix of a preprocessed dataset (tools/preprocess_data.py writes PREFIX.bin and "
+            "PREFIX.idx; `python tools/build_corpus.py --dataset wikipedia` builds the embedded one)")
+
+
+def _check_writable_dir(flag: str, path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: directory is not writable ({exc.strerror}); "
+                          "choose a directory you can write to") from None
+
+
+def _default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    if swiglu:
+        # Keep the parameter count of a 4h GeLU MLP with three matrices; round to 64.
+        return int((4 * hidden_size * 2 / 3) / 64) * 64
+    return 4 * hidden_size
+
+
+def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argparse.Namespace:
+    """Derive dependent values in place and reject impossible combinations (ConfigError)."""
+    # Model shape.
+    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
+        _require(getattr(args, flag) is not None,
+                 f"--{flag.replace('_', '-')} is required (or pass --model-preset NAME)")
+    _require(args.seq_length is not None, "--seq-length is required")
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be positive, "
+                                          f"got {getattr(args, flag)}")
+    if args.kv_channels is None:
+        _require(args.hidden_size % args.num_attention_heads == 0,
+                 f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                 f"{args.num_attention_heads}; change one of them or set --kv-channels")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = _default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute":
+        _require(args.seq_length <= args.max_position_embeddings,
+                 f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                 f"{args.max_position_embeddings}")
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    _require(args.num_attention_heads % args.num_query_groups == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--num-query-groups {args.num_query_groups}")
+
+    # Parallel layout.
+    tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.expert_model_parallel_size)
+    for flag, value in (("--tensor-model-parallel-size", tp),
+                        ("--pipeline-model-parallel-size", pp),
+                        ("--expert-model-parallel-size", ep)):
+        _require(value >= 1, f"{flag} must be >= 1, got {value}")
+    _require(args.world_size % (tp * pp) == 0,
+             f"world size {args.world_size} is not divisible by --tensor-model-parallel-size "
+             f"{tp} x --pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks")
+    args.data_parallel_size = args.world_size // (tp * pp)
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    _require(args.num_query_groups % tp == 0,
+             f"--num-query-groups {args.num_query_groups} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    _require(args.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    _require(args.num_layers % pp == 0,
+             f"--num-layers {args.num_layers} is not divisible by "
+             f"--pipeline-model-parallel-size {pp}")
+    if tp == 1:
+        args.sequence_parallel = False
+    if args.sequence_parallel:
+        _require(args.seq_length % tp == 0,
+                 f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
+                 f"--tensor-model-parallel-size {tp}")
+
+    # MoE / MLA.
+    if args.num_experts is not None:
+        _require(args.num_experts % ep == 0,
+                 f"--num-experts {args.num_experts} is not divisible by "
+                 f"--expert-model-parallel-size {ep}")
+        _require(args.data_parallel_size * tp % ep == 0,
+                 f"--expert-model-parallel-size {ep} must divide data-parallel x tensor-parallel "
+                 f"size {args.data_parallel_size * tp}")
+        _require(tp == 1 or args.sequence_parallel,
+                 "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+        _require(args.moe_router_topk <= args.num_experts,
+                 f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+        if args.moe_ffn_hidden_size is None:
+            args.moe_ffn_hidden_size = args.ffn_hidden_size
+        if isinstance(args.moe_layer_freq, list):
+            _require(len(args.moe_layer_freq) == args.num_layers,
+                     f"--moe-layer-freq lists {len(args.moe_layer_freq)} layers but --num-layers "
+                     f"is {args.num_layers}")
+    else:
+        _require(ep == 1, "--expert-model-parallel-size > 1 needs --num-experts")
+
+    # Batch sizes.
+    _require(args.micro_batch_size is not None and args.micro_batch_size > 0,
+             "--micro-batch-size is required and must be positive")
+    dp_batch = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = dp_batch
+    _require(args.global_batch_size > 0 and args.global_batch_size % dp_batch == 0,
+             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    args.num_micro_batches = args.global_batch_size // dp_batch
+
+    # Precision.
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive")
+    if args.grad_reduce_in_bf16:
+        _require(args.bf16, "--grad-reduce-in-bf16 needs --bf16")
+
+    # Training schedule.
+    _require(args.train_iters is not None and args.train_iters >= 0,
+             "--train-iters is required (the number of iterations to train)")
+    _require(args.lr is not None, "--lr is required (the peak learning rate)")
+    _require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        _require(args.lr_warmup_iters == 0,
+                 "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    _require(args.lr_decay_iters > 0,
+             f"--lr-decay-iters {args.lr_decay_iters} (default: --train-iters) must be positive")
+    _require(args.lr_warmup_iters < args.lr_decay_iters,
+             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+             f"{args.lr_decay_iters} (default: --train-iters); shorten the warm-up or set "
+             "--lr-decay-iters")
+    _require(args.lr_warmup_init <= args.lr,
+             f"--lr-warmup-init {args.lr_warmup_init} exceeds --lr {args.lr}")
+    if args.lr_decay_style == "WSD":
+        _require(args.lr_wsd_decay_iters is not None,
+                 "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    for flag in ("log_interval", "eval_interval", "tensorboard_log_interval"):
+        _require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be positive")
+    _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    if args.exit_interval is not None:
+        _require(args.exit_interval > 0, "--exit-interval must be positive")
+
+    # Data.
+    _require(args.mock_data or args.data_path,
+             "no training data: pass --data-path PREFIX (see tools/preprocess_data.py) or "
+             "--mock-data")
+    _require(not (args.mock_data and args.data_path),
+             "--mock-data and --data-path are mutually exclusive")
+    if args.data_path:
+        args.data_prefixes, args.data_weights = parse_data_path(args.data_path)
+        if check_paths:
+            for prefix in args.data_prefixes:
+                _check_dataset_prefix(prefix)
+        if args.split is None:
+            args.split = "969, 30, 1"
+    else:
+        args.data_prefixes, args.data_weights = None, None
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+
+    # Checkpointing.
+    if args.save_interval is not None:
+        _require(args.save_interval > 0, "--save-interval must be positive")
+        _require(args.save is not None, "--save-interval needs --save DIR")
+    if args.save is not None and check_paths:
+        _check_writable_dir("--save", args.save)
+    if args.load is not None and check_paths:
+        _require(os.path.isdir(args.load),
+                 f"--load {args.load}: directory not found; pass a directory written by --save")
+    if args.tensorboard_dir is not None and check_paths:
+        _check_writable_dir("--tensorboard-dir", args.tensorboard_dir)
+
+    args.params_dtype_name = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    for validate_group in EXTRA_VALIDATORS:
+        validate_group(args)
+    return args
+
+
+# Group-specific validation registered by plugin groups (quantization, tensor capture).
+EXTRA_VALIDATORS: List[Callable[[argparse.Namespace], None]] = [
+    _validate_quantization_args,
+    _validate_tensor_args,
+]
+
+
+def format_args(args: argparse.Namespace) -> str:
+    """The arguments as Megatron prints them at start-up, one per line, sorted."""
+    width = max(len(k) for k in vars(args))
+    lines = [f"  {k} {'.' * (width + 4 - len(k))} {v}" for k, v in sorted(vars(args).items())]
+    return "------------------------ arguments ------------------------\n" + "\n".join(lines) + \
+        "\n-------------------- end of arguments ---------------------"

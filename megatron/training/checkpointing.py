@@ -1,0 +1,209 @@
+"""Checkpoints through megatron.core.dist_checkpointing (torch_dist format).
+
+Layout under --save:
+    latest_checkpointed_iteration.txt   the iteration of the newest COMPLETE checkpoint
+    iter_0000010/                       one dist_checkpointing directory per saved iteration
+
+A checkpoint is written into `iter_XXXXXXX.incomplete/`, renamed once every rank has finished,
+and only then recorded in the tracker file (itself written to a temporary name and renamed).
+A run killed at any moment therefore leaves the tracker pointing at a complete checkpoint.
+The common state records the model shape, so `--load` of a checkpoint made with another
+shape stops before training with the differing flags named.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron.training.arguments import ConfigError
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 1
+
+# Args that determine parameter shapes; a checkpoint only loads into the same values.
+MODEL_SHAPE_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "padded_vocab_size", "normalization", "swiglu", "add_bias_linear",
+    "untie_embeddings_and_output_weights", "position_embedding_type", "qk_layernorm",
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+    "v_head_dim", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+)
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--load {root}: {TRACKER_FILE} holds {text!r}, not an iteration "
+                          "number; fix or delete the file") from None
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, f".{TRACKER_FILE}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER_FILE))
+
+
+def model_shape(args) -> dict:
+    return {name: getattr(args, name, None) for name in MODEL_SHAPE_ARGS}
+
+
+def _rng_state() -> dict:
+    return {
+        "random": random.getstate(),
+        "np": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(data) -> ShardedObject:
+    """One RNG state per (pp, tp, dp) rank: every rank restores exactly its own generators."""
+    pp, tp, dp = (parallel_state.get_pipeline_model_parallel_world_size(),
+                  parallel_state.get_tensor_model_parallel_world_size(),
+                  parallel_state.get_data_parallel_world_size())
+    offset = (parallel_state.get_pipeline_model_parallel_rank(),
+              parallel_state.get_tensor_model_parallel_rank(),
+              parallel_state.get_data_parallel_rank())
+    return ShardedObject("rng_state", data, (pp, tp, dp), offset, replica_id=0)
+
+
+def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples,
+                        is_loading=False):
+    model_sd = model.sharded_state_dict()
+    state = {
+        "model": model_sd,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "consumed_train_samples": consumed_samples,
+        "model_shape": model_shape(args),
+        "rng_state": _rng_sharded_object(None if is_loading else _rng_state()),
+    }
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    return state
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args,
+                    consumed_samples: int, log=print) -> str:
+    """Save atomically; every rank calls this. Returns the checkpoint directory."""
+    final = checkpoint_dir(root, iteration)
+    tmp = final + ".incomplete"
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+    state = _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples)
+    dist_checkpointing.save(state, tmp)
+    torch.distributed.barrier()
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_tracker(root, iteration)
+    torch.distributed.barrier()
+    log(f"saved checkpoint at iteration {iteration} to {final}")
+    return final
+
+
+def check_model_shape(load_dir: str, ckpt_dir: str, args) -> None:
+    saved = dist_checkpointing.load_common_state_dict(ckpt_dir).get("model_shape", {})
+    current = model_shape(args)
+    diffs = [f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {current[k]} (this run)"
+             for k in MODEL_SHAPE_ARGS if k in saved and saved[k] != current[k]]
+    if diffs:
+        raise ConfigError(f"--load {load_dir}: checkpoint has another model shape: "
+                          + "; ".join(diffs) + "; use the same model flags or another --load")
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Give every parameter the Adam step count recorded in its param group.
+
+    megatron-core 0.16's DistributedOptimizer with the torch-AdamW fallback (no apex/TE) keeps
+    the step in its param groups; loading a dp_reshardable checkpoint restores exp_avg and
+    exp_avg_sq but leaves the per-parameter 'step' at the value of the freshly initialised
+    state, which changes Adam's bias correction after a resume.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state is not None and "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print):
+    """Restore model (and optimizer, scheduler, RNG unless disabled).
+
+    Returns (iteration, consumed_samples); (0, 0) when `root` holds no checkpoint yet.
+    """
+    iteration = read_tracker(root)
+    if iteration is None:
+        log(f"no checkpoint found in {root} ({TRACKER_FILE} missing): starting from scratch")
+        return 0, 0
+    ckpt = checkpoint_dir(root, iteration)
+    if not os.path.isdir(ckpt):
+        raise ConfigError(f"--load {root}: {TRACKER_FILE} names iteration {iteration} but {ckpt} "
+                          "does not exist; fix the tracker file or use another --load")
+    check_model_shape(root, ckpt, args)
+    use_optim = optimizer is not None and not args.no_load_optim
+    if use_optim:
+        with torch.no_grad():
+            # The torch-AdamW fallback has no state before its first step; the distributed
+            # optimizer's sharded_state_dict needs it, so materialise it (the load overwrites it).
+            for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+                init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+                if init is not None:
+                    init()
+    state = _sharded_state_dict(model, optimizer if use_optim else None, scheduler, args,
+                                iteration, 0, is_loading=True)
+    loaded = dist_checkpointing.load(state, ckpt)
+    model.load_state_dict(loaded["model"])
+    if use_optim:
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+            _restore_adam_steps(optimizer)
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if not args.no_load_rng:
+        _set_rng_state(loaded["rng_state"])
+    log(f"loaded checkpoint {ckpt} (iteration {iteration})")
+    return loaded["iteration"], loaded["consumed_train_samples"]

@@ -1,0 +1,69 @@
+"""Process start-up: torch.distributed, megatron parallel state, random seeds."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron.training.cpu_compat import apply_compat_patches
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_distributed(args) -> None:
+    """init_process_group (NCCL with CUDA, gloo without) and megatron's parallel groups.
+
+    Works under torchrun (RANK/WORLD_SIZE/MASTER_* set) and as a plain single process.
+    """
+    apply_compat_patches()
+    use_cuda = torch.cuda.is_available()
+    backend = args.distributed_backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        local_rank = int(os.getenv("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if not torch.distributed.is_initialized():
+        init_method = None
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            # A plain single process: a private rendezvous, leaving the environment untouched
+            # so that child processes never inherit a port this process still holds.
+            if args.world_size != 1:
+                raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT "
+                                   "(launch with torchrun)")
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        torch.distributed.init_process_group(
+            backend=backend, rank=args.rank, world_size=args.world_size,
+            init_method=init_method,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+        )
+
+
+def set_random_seeds(seed: int) -> None:
+    """Seed python, numpy and torch; the tensor-parallel tracker gets megatron's offsets."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down parallel state and the process group (tests run several jobs per process)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

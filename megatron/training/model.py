@@ -1,0 +1,138 @@
+"""GPT model construction: TransformerConfig from args, the layer spec, and GPTModel.
+
+The layer spec is megatron-core's local spec with its classes swapped through `MODULE_SWAPS`
+(a list of functions args -> {old class: new class}). The base swap installs the CPU/SP-safe
+norm and attention from `modules.py`; the quantization package adds its quantized linears and
+attention the same way, so no model code is edited to change what a GEMM does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from megatron.training.modules import LocalDotProductAttention, Norm
+
+# Argument dests whose name differs from the TransformerConfig field they set.
+_RENAMED_FIELDS = {"num_experts": "num_moe_experts"}
+
+
+def _torch_dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def core_transformer_config_from_args(args) -> TransformerConfig:
+    """Copy every arg named like a config field, then translate the rest (as Megatron-LM does)."""
+    config_class = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
+    fields = {f.name for f in dataclasses.fields(config_class) if f.init}
+    kwargs = {name: value for name, value in vars(args).items() if name in fields}
+    for arg_name, field_name in _RENAMED_FIELDS.items():
+        kwargs[field_name] = getattr(args, arg_name)
+    kwargs["params_dtype"] = _torch_dtype(args)
+    kwargs["pipeline_dtype"] = kwargs["params_dtype"]
+    kwargs["use_cpu_initialization"] = True  # identical weights for any TP size, and no CUDA
+    kwargs["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
+    kwargs["calculate_per_token_loss"] = True
+    if args.swiglu:
+        kwargs["gated_linear_unit"] = True
+        kwargs["activation_func"] = F.silu
+    if args.num_experts is not None:
+        kwargs["moe_grouped_gemm"] = False  # SequentialMLP: every expert is a parallel linear
+    if args.multi_latent_attention:
+        kwargs["rope_type"] = "yarn"
+    else:
+        for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim", "qk_head_dim",
+                     "qk_pos_emb_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank"):
+            kwargs.pop(name, None)
+    return config_class(**kwargs)
+
+
+def base_module_swaps(args) -> Dict[type, type]:
+    """The local spec's norm and attention classes -> our CPU- and SP-safe versions."""
+    return {
+        WrappedTorchNorm: Norm,
+        gpt_layer_specs.LNImpl: Norm,
+        DotProductAttention: LocalDotProductAttention,
+    }
+
+
+# Functions args -> {old class: new class}, applied in order; later entries see earlier swaps.
+MODULE_SWAPS: List[Callable[[object], Dict[type, type]]] = [base_module_swaps]
+
+
+def replace_modules(spec, mapping: Dict[type, type]):
+    """A copy of a spec tree with every class in `mapping` replaced (ModuleSpecs, submodule
+    dataclasses, lists), leaving everything else as it is."""
+    if isinstance(spec, type):
+        return mapping.get(spec, spec)
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(replace_modules(s, mapping) for s in spec)
+    if isinstance(spec, ModuleSpec) or dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {}
+        for f in dataclasses.fields(spec):
+            value = getattr(spec, f.name)
+            new = replace_modules(value, mapping)
+            if new is not value:
+                changes[f.name] = new
+        return dataclasses.replace(spec, **changes) if changes else spec
+    return spec
+
+
+def build_layer_spec(args, config: TransformerConfig, vp_stage: Optional[int] = None):
+    """The decoder block spec for this pipeline stage, with MODULE_SWAPS applied."""
+    if args.num_experts is not None or args.multi_latent_attention:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=args.normalization, vp_stage=vp_stage)
+    else:
+        layer = get_gpt_layer_local_spec(normalization=args.normalization,
+                                         qk_layernorm=args.qk_layernorm)
+        spec = TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=Norm)
+    for swaps in MODULE_SWAPS:
+        spec = replace_modules(spec, swaps(args))
+    return spec
+
+
+def build_gpt_model(args, config: TransformerConfig, pre_process: bool = True,
+                    post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
+    """GPTModel for one pipeline stage (Megatron-LM's gpt_builder, with rope_scaling_factor
+    actually passed: Megatron-LM 0.16 drops it, which would give Llama 3.2 the wrong factor)."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=build_layer_spec(args, config, vp_stage),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        vp_stage=vp_stage,
+    )
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied embedding and output weight counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

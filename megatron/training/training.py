@@ -1,0 +1,493 @@
+"""The pretraining loop: set-up, train steps, logging, evaluation, checkpoints and exits.
+
+`pretrain(forward_step_func, argv)` follows Megatron-LM's pretrain(): parse and validate args,
+initialise distributed state, build the model/optimizer/scheduler, resume from --load, build
+the data iterators, train, save. It returns a `TrainResult` (and an exit code for the CLI).
+
+Exit conditions, checked after every iteration: --train-iters, --exit-interval,
+--exit-duration-in-mins (max over ranks), SIGTERM (any rank), and stop requests from
+callbacks (e.g. tensor capture's --control-iter). Each saves first when --save is given,
+then ends with exit code 0.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from megatron.quantization.spec import assign_quantization
+from megatron.training import checkpointing
+from megatron.training.arguments import format_args, parse_args, validate_args
+from megatron.training.data import build_data_iterator, build_datasets
+from megatron.training.initialize import (
+    destroy_distributed,
+    initialize_distributed,
+    set_random_seeds,
+)
+from megatron.training.model import (
+    build_gpt_model,
+    core_transformer_config_from_args,
+    count_parameters,
+)
+from megatron.training.tokenizer import build_tokenizer, vocab_size_with_padding
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _timestamp() -> str:
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def is_rank_0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def is_last_rank() -> bool:
+    return (not torch.distributed.is_initialized()
+            or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1)
+
+
+def print_rank_0(message: str) -> None:
+    if is_rank_0():
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Callbacks (tensor capture and other observers plug in here)
+# ---------------------------------------------------------------------------------------------
+
+
+class TrainingCallback:
+    """Hooks into the loop. `on_iteration_end` may return a reason to stop the run cleanly."""
+
+    def on_train_start(self, args, model_chunks, iteration: int) -> None: ...
+
+    def on_iteration_start(self, iteration: int) -> None: ...
+
+    def on_micro_batch_start(self, iteration: int, micro_batch: int) -> None: ...
+
+    def on_iteration_end(self, iteration: int) -> Optional[str]:
+        return None
+
+    def on_train_end(self, exit_reason: str) -> None: ...
+
+
+def _capture_callback(args):
+    from megatron.tensor_capture.callback import build_capture_callback
+
+    return build_capture_callback(args)
+
+
+# Factories args -> callback or None, created once the model exists.
+CALLBACK_FACTORIES: List[Callable[[object], Optional[TrainingCallback]]] = [_capture_callback]
+
+
+@dataclass
+class TrainResult:
+    iteration: int = 0
+    exit_reason: str = ""
+    exit_code: int = 0
+    losses: Dict[int, float] = field(default_factory=dict)
+    grad_norms: Dict[int, float] = field(default_factory=dict)
+    val_losses: Dict[int, float] = field(default_factory=dict)
+    checkpoint: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up
+# ---------------------------------------------------------------------------------------------
+
+
+def setup_model_and_optimizer(args):
+    """(ddp_model, raw GPTModel, optimizer, scheduler, transformer config)."""
+    config = core_transformer_config_from_args(args)
+    model = build_gpt_model(
+        args, config,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage())
+    assign_quantization(model, args.quant_config)
+    raw_model = model
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if args.bf16 or args.fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp_model.broadcast_params()
+
+    optimizer_config = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
+    # Schedules count samples, as Megatron-LM's iteration-based training does.
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=max(1, args.train_iters) * gbs, wd_incr_style="constant",
+        wsd_decay_steps=(args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None),
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+    config.no_sync_func = ddp_model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return ddp_model, raw_model, optimizer, scheduler, config
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------
+
+
+def _reduce_losses(losses_reduced: Sequence[dict]) -> Optional[float]:
+    """Per-token 'lm loss' over micro-batches and data-parallel ranks (last PP stage only)."""
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    total = torch.zeros(2, dtype=torch.float64, device=_device())
+    for entry in losses_reduced:
+        total += entry["lm loss"].to(total)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def train_step(forward_step_func, data_iterator, ddp_model, optimizer, scheduler, args):
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = get_forward_backward_func()(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=[ddp_model],
+        num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return _reduce_losses(losses_reduced), grad_norm, not update_successful
+
+
+def evaluate(forward_step_func, data_iterator, ddp_model, args) -> Optional[float]:
+    """Mean per-token validation loss over --eval-iters batches (None if no data)."""
+    if data_iterator is None or args.eval_iters == 0:
+        return None
+    ddp_model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=_device())
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step_func, data_iterator=data_iterator,
+                model=[ddp_model], num_microbatches=args.num_micro_batches,
+                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                forward_only=True)
+            if parallel_state.is_pipeline_last_stage():
+                for entry in losses:
+                    total += entry["lm loss"].to(total)
+    ddp_model.train()
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit signals
+# ---------------------------------------------------------------------------------------------
+
+
+class _SignalHandler:
+    """Remembers a SIGTERM/SIGINT so the loop can save and exit at the end of an iteration."""
+
+    def __init__(self, signals=(signal.SIGTERM,)):
+        self.received = False
+        self._previous = {}
+        for sig in signals:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+
+    def _handle(self, signum, _frame):
+        self.received = True
+        print_rank_0(f"[{_timestamp()}] received signal {signal.Signals(signum).name}: "
+                     "stopping after this iteration")
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _any_rank(flag: bool) -> bool:
+    value = torch.tensor([1.0 if flag else 0.0], device=_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def _elapsed_minutes_max(start: float) -> float:
+    value = torch.tensor([(time.time() - start) / 60.0], device=_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return value.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging
+# ---------------------------------------------------------------------------------------------
+
+
+class _TrainingLogger:
+    def __init__(self, args):
+        self.args = args
+        self.writer = None
+        if args.tensorboard_dir and is_last_rank():
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+        self.interval_start = time.perf_counter()
+        self.interval_iters = 0
+        self.skipped = 0
+        self.nan_iters = 0
+
+    def log_iteration(self, iteration, loss, lr, grad_norm, skipped, consumed_samples):
+        args = self.args
+        self.interval_iters += 1
+        self.skipped += int(skipped)
+        if loss is not None and not math.isfinite(loss):
+            self.nan_iters += 1
+        if self.writer is not None and iteration % args.tensorboard_log_interval == 0:
+            if loss is not None:
+                self.writer.add_scalar("lm loss", loss, iteration)
+            self.writer.add_scalar("learning-rate", lr, iteration)
+            if grad_norm is not None:
+                self.writer.add_scalar("grad-norm", grad_norm, iteration)
+        if iteration % args.log_interval != 0:
+            return
+        elapsed = time.perf_counter() - self.interval_start
+        ms_per_iter = 1000.0 * elapsed / max(1, self.interval_iters)
+        tokens_per_s = args.global_batch_size * args.seq_length / (ms_per_iter / 1000.0)
+        parts = [
+            f" [{_timestamp()}] iteration {iteration:8d}/{args.train_iters:8d}",
+            f"consumed samples: {consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
+            f"throughput (tokens/s): {tokens_per_s:.1f}",
+            f"learning rate: {lr:.6E}",
+            f"global batch size: {args.global_batch_size:5d}",
+        ]
+        if loss is not None:
+            parts.append(f"lm loss: {loss:.6E}")
+        if grad_norm is not None:
+            parts.append(f"grad norm: {grad_norm:.3f}")
+        parts.append(f"number of skipped iterations: {self.skipped:3d}")
+        parts.append(f"number of nan iterations: {self.nan_iters:3d}")
+        if self.writer is not None:
+            self.writer.add_scalar("throughput-tokens-per-s", tokens_per_s, iteration)
+            self.writer.add_scalar("iteration-time-ms", ms_per_iter, iteration)
+        # The loss lives on the last pipeline stage.
+        print_rank_last(" | ".join(parts) + " |")
+        self.interval_start = time.perf_counter()
+        self.interval_iters = 0
+        self.skipped = 0
+        self.nan_iters = 0
+
+    def log_validation(self, iteration, loss):
+        if loss is None:
+            return
+        ppl = math.exp(min(20.0, loss))
+        line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                f"lm loss PPL: {ppl:.6E} |")
+        print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss validation", loss, iteration)
+            self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# pretrain
+# ---------------------------------------------------------------------------------------------
+
+
+def pretrain(forward_step_func, argv: Optional[Sequence[str]] = None,
+             extra_args_provider=None, callbacks: Sequence[TrainingCallback] = (),
+             keep_distributed: bool = False) -> TrainResult:
+    """Run a whole training job; see the module docstring. Raises ConfigError on bad input."""
+    start_time = time.time()
+    args = parse_args(argv, extra_args_provider)
+    validate_args(args)
+    result = TrainResult()
+    if args.quant_check:
+        print(f"{args.quant_config.describe(args.num_layers)}\n"
+              f"(scheme from {args.quant_scheme_source})", flush=True)
+        result.exit_reason = "quant-check"
+        return result
+    initialize_distributed(args)
+    try:
+        _pretrain(forward_step_func, args, list(callbacks), result, start_time)
+    finally:
+        if not keep_distributed:
+            destroy_distributed()
+    return result
+
+
+def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_time: float):
+    set_random_seeds(args.seed)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    print_rank_0(format_args(args))
+    print_rank_0(f"{args.quant_config.describe(args.num_layers)}\n"
+                 f"(scheme from {args.quant_scheme_source})")
+    print_rank_0(f"[{_timestamp()}] tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} "
+                 f"(padded to {args.padded_vocab_size})")
+
+    ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
+    n_params = count_parameters(raw_model)
+    print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+          f"({parallel_state.get_tensor_model_parallel_rank()}, "
+          f"{parallel_state.get_pipeline_model_parallel_rank()}): {n_params}", flush=True)
+
+    iteration, consumed_samples = 0, 0
+    if args.load:
+        iteration, consumed_samples = checkpointing.load_checkpoint(
+            args.load, raw_model, optimizer, scheduler, args, log=print_rank_0)
+
+    train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    train_iter = build_data_iterator(train_ds, consumed_samples, args, dp_rank, dp_size)
+    valid_iter = build_data_iterator(valid_ds, 0, args, dp_rank, dp_size, cyclic=True)
+
+    callbacks = callbacks + [cb for cb in (f(args) for f in CALLBACK_FACTORIES) if cb is not None]
+    for cb in callbacks:
+        cb.on_train_start(args, [ddp_model], iteration)
+
+    micro_batch = {"index": 0}
+
+    def counted_forward_step(data_iterator, model):
+        for cb in callbacks:
+            cb.on_micro_batch_start(iteration + 1, micro_batch["index"])
+        micro_batch["index"] += 1
+        return forward_step_func(data_iterator, model)
+
+    logger = _TrainingLogger(args)
+    signals = _SignalHandler()
+    print_rank_0(f"[{_timestamp()}] training from iteration {iteration} to {args.train_iters} "
+                 f"({args.num_micro_batches} micro-batches of {args.micro_batch_size} per "
+                 f"data-parallel rank, DP={dp_size})")
+    exit_reason = "train-iters"
+    saved_at = None
+    try:
+        while iteration < args.train_iters:
+            for cb in callbacks:
+                cb.on_iteration_start(iteration + 1)
+            micro_batch["index"] = 0
+            loss, grad_norm, skipped = train_step(
+                counted_forward_step, train_iter, ddp_model, optimizer, scheduler, args)
+            iteration += 1
+            consumed_samples += args.global_batch_size
+            if loss is not None:
+                result.losses[iteration] = loss
+            if grad_norm is not None:
+                result.grad_norms[iteration] = float(grad_norm)
+            stop = [r for r in (cb.on_iteration_end(iteration) for cb in callbacks) if r]
+            logger.log_iteration(iteration, loss, optimizer.param_groups[0]["lr"], grad_norm,
+                                 skipped, consumed_samples)
+
+            if args.eval_interval and iteration % args.eval_interval == 0 and valid_iter:
+                val = evaluate(forward_step_func, valid_iter, ddp_model, args)
+                if val is not None:
+                    result.val_losses[iteration] = val
+                logger.log_validation(iteration, val)
+
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                result.checkpoint = checkpointing.save_checkpoint(
+                    args.save, iteration, raw_model, optimizer, scheduler, args,
+                    consumed_samples, log=print_rank_0)
+                saved_at = iteration
+            reason = _exit_reason(args, iteration, start_time, signals.received, bool(stop))
+            if reason is not None:
+                exit_reason = stop[0] if reason == "callback" and stop else reason
+                break
+    finally:
+        signals.restore()
+        logger.close()
+
+    if args.save and saved_at != iteration and iteration > 0:
+        result.checkpoint = checkpointing.save_checkpoint(
+            args.save, iteration, raw_model, optimizer, scheduler, args, consumed_samples,
+            log=print_rank_0)
+    for cb in callbacks:
+        cb.on_train_end(exit_reason)
+    result.iteration = iteration
+    result.exit_reason = exit_reason
+    if exit_reason.startswith("error"):
+        result.exit_code = 1
+    print_rank_0(f"[{_timestamp()}] exiting at iteration {iteration}: {exit_reason} "
+                 f"({(time.time() - start_time) / 60:.2f} min)")
+
+
+def _exit_reason(args, iteration, start_time, signal_received, callback_stop) -> Optional[str]:
+    """Why the run should stop after this iteration (same answer on every rank), or None."""
+    if _any_rank(signal_received):
+        return "signal"
+    if _any_rank(callback_stop):
+        return "callback"
+    if args.exit_duration_in_mins is not None and \
+            _elapsed_minutes_max(start_time) > args.exit_duration_in_mins:
+        return "exit-duration-in-mins"
+    if args.exit_interval is not None and iteration % args.exit_interval == 0:
+        return "exit-interval"
+    return None
+
+
+def main(forward_step_func, argv=None, extra_args_provider=None) -> int:
+    """CLI entry: run pretrain, turn configuration errors into one clear line and exit code 2."""
+    from megatron.training.arguments import ConfigError
+    from megatron.training.tokenizer import TokenizerError
+
+    try:
+        result = pretrain(forward_step_func, argv, extra_args_provider)
+    except (ConfigError, TokenizerError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return result.exit_code
