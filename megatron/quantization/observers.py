@@ -1,0 +1,92 @@
+"""Observers of quantized GEMMs: a small registry that tensor capture and counters plug into.
+
+Every quantized layer is a GEMM *site* (a `GemmSite`: module name, kind, layer number, config).
+When at least one observer is registered, each GEMM a site runs reports its operands and result
+as `observer(site, gemm, operand, hp, q, fmt, axis)` (see gemm.py for the operand names); when
+none is registered the layers take their fast path and pay nothing.
+
+Binding happens in the forward pass (`observer_for` is called when a site runs forward) and
+the bound callable is kept for that micro-batch's backward. An observer with a
+`bind(site) -> callable or None` method can therefore snapshot forward-time context (such as
+the micro-batch index, which differs at backward time under pipeline schedules) or decline to
+observe a site.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+from megatron.quantization.gemm import MatmulQuantConfig
+
+Observer = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class GemmSite:
+    """Where a GEMM runs: `name` is the module path, `kind` one of schemes.SITE_KINDS."""
+
+    name: str
+    kind: str
+    layer_number: Optional[int]
+    config: MatmulQuantConfig
+
+
+_OBSERVERS: List[Observer] = []
+
+
+def register_observer(observer: Observer) -> Observer:
+    _OBSERVERS.append(observer)
+    return observer
+
+
+def unregister_observer(observer: Observer) -> None:
+    if observer in _OBSERVERS:
+        _OBSERVERS.remove(observer)
+
+
+def _bind(observer: Observer, site: GemmSite):
+    if hasattr(observer, "bind"):
+        return observer.bind(site)
+    return lambda *report: observer(site, *report)
+
+
+def observer_for(site: GemmSite):
+    """A gemm.py observer bound to `site`, or None when no registered observer wants it."""
+    if not _OBSERVERS:
+        return None
+    bound = [b for b in (_bind(o, site) for o in _OBSERVERS) if b is not None]
+    if not bound:
+        return None
+    if len(bound) == 1:
+        return bound[0]
+
+    def observe(gemm, operand, hp, q, fmt, axis):
+        for observer in bound:
+            observer(gemm, operand, hp, q, fmt, axis)
+
+    return observe
+
+
+class QuantizationCounter:
+    """Counts quantized operands per (site kind, gemm, operand, format) and sites seen.
+
+    Register it with `register_observer`; `quantized[(kind, gemm, operand, fmt)]` is the number
+    of times that operand was quantized, `sites_run[kind]` the set of site names that ran.
+    """
+
+    def __init__(self):
+        self.quantized = Counter()
+        self.high_precision = Counter()
+        self.sites_run = {}
+
+    def __call__(self, site: GemmSite, gemm, operand, hp, q, fmt, axis):
+        self.sites_run.setdefault(site.kind, set()).add(site.name)
+        if q is not None:
+            self.quantized[(site.kind, gemm, operand, fmt)] += 1
+        elif operand not in ("output", "grad_input", "grad_weight", "grad_a", "grad_b"):
+            self.high_precision[(site.kind, gemm, operand)] += 1
+
+    def quantized_kinds(self):
+        return {kind for kind, *_ in self.quantized}

@@ -1,0 +1,211 @@
+"""Named quantization schemes and the per-GEMM configuration they resolve to.
+
+A scheme names which GEMM sites are simulated in low precision:
+
+    bf16              nothing quantized (the high-precision baseline)
+    FA_<fmt>          attention QK^T (the "FA" of the original system); PV stays high precision
+                      unless --attn-pv-quant is given
+    linear_<fmt>      every parallel linear of every transformer layer (QKV, proj, fc1, fc2,
+                      MLA down/up projections, MoE experts and shared experts)
+    FA_linear_<fmt>   both
+
+with <fmt> one of mxfp8, mxfp4, hifp8. At a quantized site each of the three GEMMs (fprop,
+dgrad, wgrad) quantizes both of its operands from the high-precision tensors along its own
+reduction axis (see gemm.py). Gradient operands (dY) of MXFP8 sites use --mx-grad-format
+(E4M3 by default, as NVIDIA's MXFP8 recipe; E5M2 optional); MXFP4 and HiFP8 sites quantize
+gradients in their own format. --no-quant-backward keeps dgrad and wgrad in high precision.
+
+`QuantConfig` is the single resolved decision; `describe()` prints it at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import FrozenSet, Optional, Sequence
+
+from megatron.quantization.formats import canonical_format
+from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats
+
+ELEMENT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
+SCHEMES = ("bf16",) + tuple(
+    f"{prefix}_{fmt}" for prefix in ("FA", "linear", "FA_linear") for fmt in ELEMENT_FORMATS)
+SITE_KINDS = ("linear", "attn_qk", "attn_pv", "output_layer")
+GRAD_FORMATS = ("e4m3", "e5m2")
+OVERRIDE_FORMATS = ("none", "mxfp8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "hifp8")
+ENV_SCHEME = "CUSTOM_QUANT_TYPE"
+
+NONE = MatmulQuantConfig()
+
+
+class SchemeError(ValueError):
+    """An unknown scheme or format name."""
+
+
+def scheme_formats(scheme: str):
+    """(linear format, attention QK format) of a named scheme; 'none' where not quantized."""
+    if scheme not in SCHEMES:
+        raise SchemeError(f"unknown quantization scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
+    if scheme == "bf16":
+        return "none", "none"
+    prefix, fmt = scheme.rsplit("_", 1)
+    return (fmt if "linear" in prefix else "none"), (fmt if "FA" in prefix else "none")
+
+
+def scheme_from_env(environ=os.environ) -> str:
+    """Default scheme seeded from CUSTOM_QUANT_TYPE (the original system's variable).
+
+    A scheme name is taken as is; a bare element format (mxfp8, mxfp4, hifp8) means what it
+    meant there: linear layers and attention both quantized (FA_linear_<fmt>).
+    """
+    value = environ.get(ENV_SCHEME, "").strip()
+    if not value:
+        return "bf16"
+    if value in SCHEMES:
+        return value
+    if value in ELEMENT_FORMATS:
+        return f"FA_linear_{value}"
+    raise SchemeError(f"{ENV_SCHEME}={value!r} is not a quantization scheme; valid: "
+                      f"{', '.join(SCHEMES + ELEMENT_FORMATS)}")
+
+
+def site_config(fmt: str, grad_format: str, backward: bool, scale_mode: str) -> MatmulQuantConfig:
+    """Per-GEMM formats for one site quantized in `fmt` ('none' -> high precision)."""
+    if fmt == "none":
+        return NONE
+    fmt = canonical_format(fmt)
+    grad = fmt
+    if fmt.startswith("mxfp8"):
+        grad = canonical_format(f"mxfp8_{grad_format}")
+    if not backward:
+        return MatmulQuantConfig(fprop=OperandFormats(fmt, fmt), scale_mode=scale_mode)
+    return MatmulQuantConfig(
+        fprop=OperandFormats(fmt, fmt),      # (X or Q or P, W or K^T or V)
+        dgrad=OperandFormats(grad, fmt),     # (dY, W ...)
+        wgrad=OperandFormats(fmt, grad),     # (X ..., dY)
+        scale_mode=scale_mode,
+    )
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The resolved quantization decision for every GEMM site of the model."""
+
+    scheme: str = "bf16"
+    linear: MatmulQuantConfig = NONE
+    attn_qk: MatmulQuantConfig = NONE
+    attn_pv: MatmulQuantConfig = NONE
+    output_layer: MatmulQuantConfig = NONE
+    skip_layers: FrozenSet[int] = field(default_factory=frozenset)
+    notes: tuple = ()
+
+    def for_site(self, kind: str, layer_number: Optional[int]) -> MatmulQuantConfig:
+        """The config of a site of `kind` in transformer layer `layer_number` (1-based)."""
+        if kind not in SITE_KINDS:
+            raise ValueError(f"unknown site kind {kind!r}; valid: {', '.join(SITE_KINDS)}")
+        if layer_number is not None and layer_number in self.skip_layers:
+            return NONE
+        return getattr(self, kind)
+
+    @property
+    def enabled(self) -> bool:
+        return any(getattr(self, kind).enabled for kind in SITE_KINDS)
+
+    def describe(self, num_layers: Optional[int] = None) -> str:
+        """A readable per-GEMM table of what is quantized, for logs and --quant-check."""
+        names = {
+            "linear": ("linear layers", ("input", "weight"), ("grad_output", "weight"),
+                       ("grad_output", "input")),
+            "attn_qk": ("attention QK^T", ("query", "key"), ("grad_scores", "key"),
+                        ("query", "grad_scores")),
+            "attn_pv": ("attention PV", ("probs", "value"), ("grad_context", "value"),
+                        ("probs", "grad_context")),
+            "output_layer": ("output layer", ("input", "weight"), ("grad_output", "weight"),
+                             ("grad_output", "input")),
+        }
+        lines = [f"quantization scheme: {self.scheme}"]
+        for kind in SITE_KINDS:
+            cfg = getattr(self, kind)
+            title, fprop, dgrad, wgrad = names[kind]
+            if not cfg.enabled:
+                lines.append(f"  {title:<15} high precision")
+                continue
+            lines.append(f"  {title:<15} scale mode {cfg.scale_mode}")
+            for gemm, (a, b) in (("fprop", fprop), ("dgrad", dgrad), ("wgrad", wgrad)):
+                ops = getattr(cfg, gemm)
+                lines.append(f"    {gemm:<6} {a}: {ops.a:<11} {b}: {ops.b}")
+        if self.skip_layers:
+            layers = ", ".join(str(n) for n in sorted(self.skip_layers))
+            lines.append(f"  layers kept in high precision: {layers}")
+        elif num_layers is not None:
+            lines.append(f"  applies to all {num_layers} transformer layers")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+_LAYER_ITEM = re.compile(r"^(-?\d+)(?:-(-?\d+))?$")
+
+
+def parse_layer_list(items: Sequence[str], num_layers: int) -> FrozenSet[int]:
+    """'1', '-1' (last), '2-4' (range), comma-separated or as separate items -> 1-based
+    layer numbers; errors name the bad item."""
+    layers = set()
+    for part in (p.strip() for item in items for p in str(item).split(",")):
+        if not part:
+            continue
+        match = _LAYER_ITEM.match(part)
+        if match is None:
+            raise SchemeError(f"layer {part!r} is not a layer number or range like '2-4' "
+                              "(negative numbers count from the last layer)")
+        lo = int(match.group(1))
+        hi = int(match.group(2)) if match.group(2) is not None else lo
+        for n in (lo, hi):
+            if not (1 <= n <= num_layers or -num_layers <= n <= -1):
+                raise SchemeError(f"layer {n} is out of range for {num_layers} layers "
+                                  f"(valid: 1..{num_layers} or -{num_layers}..-1)")
+        resolve = lambda n: n + num_layers + 1 if n < 0 else n  # noqa: E731
+        layers.update(range(resolve(lo), resolve(hi) + 1))
+    return frozenset(layers)
+
+
+def build_quant_config(scheme: str, num_layers: int, linear_quant: Optional[str] = None,
+                       attn_qk_quant: Optional[str] = None, attn_pv_quant: Optional[str] = None,
+                       backward: bool = True, scale_mode: str = "floor", grad_format: str = "e4m3",
+                       skip_layers: Sequence[str] = (), output_layer: bool = False) -> QuantConfig:
+    """Resolve a scheme plus overrides into a QuantConfig (overrides win and are noted)."""
+    if grad_format not in GRAD_FORMATS:
+        raise SchemeError(f"unknown gradient format {grad_format!r}; valid: {', '.join(GRAD_FORMATS)}")
+    linear_fmt, qk_fmt = scheme_formats(scheme)
+    pv_fmt = "none"
+    notes = []
+    for label, override, current in (("--linear-quant", linear_quant, linear_fmt),
+                                     ("--attn-qk-quant", attn_qk_quant, qk_fmt),
+                                     ("--attn-pv-quant", attn_pv_quant, pv_fmt)):
+        if override is not None and override not in OVERRIDE_FORMATS:
+            raise SchemeError(f"{label} {override!r} is not a format; valid: "
+                              f"{', '.join(OVERRIDE_FORMATS)}")
+        if override is not None and override != current:
+            notes.append(f"{label} {override} overrides scheme {scheme} ({current})")
+    linear_fmt = linear_quant if linear_quant is not None else linear_fmt
+    qk_fmt = attn_qk_quant if attn_qk_quant is not None else qk_fmt
+    pv_fmt = attn_pv_quant if attn_pv_quant is not None else pv_fmt
+    make = lambda fmt: site_config(fmt, grad_format, backward, scale_mode)  # noqa: E731
+    return QuantConfig(
+        scheme=scheme,
+        linear=make(linear_fmt),
+        attn_qk=make(qk_fmt),
+        attn_pv=make(pv_fmt),
+        output_layer=make(linear_fmt) if output_layer else NONE,
+        skip_layers=parse_layer_list(skip_layers, num_layers),
+        notes=tuple(notes),
+    )
+
+
+def quant_config_from_args(args) -> QuantConfig:
+    return build_quant_config(
+        scheme=args.quant_scheme, num_layers=args.num_layers, linear_quant=args.linear_quant,
+        attn_qk_quant=args.attn_qk_quant, attn_pv_quant=args.attn_pv_quant,
+        backward=args.quant_backward, scale_mode=args.mx_scale_mode,
+        grad_format=args.mx_grad_format, skip_layers=args.quant_skip_layers or (),
+        output_layer=args.quant_output_layer)
