@@ -1,0 +1,366 @@
+"""Training-loop integration of tensor capture (a megatron.training TrainingCallback).
+
+Life cycle, driven by the training loop:
+- on_train_start: every rank agrees on a run id (rank 0 claims it), opens its manifest and
+  starts its writer thread; rank 0 writes run-{run_id}.json.
+- on_iteration_start: for a captured iteration, register the GEMM observer (otherwise nothing
+  is registered and the quantized layers run their unobserved fast path).
+- on_micro_batch_start: tell the observer which micro-batch is running forward.
+- on_iteration_end: unregister, log one line, report a capture failure as a stop reason
+  starting with "error" (or keep training with --tensor-save-continue-on-error), and return
+  "control-iter" after the last captured iteration (after the writer has drained).
+- on_train_end: drain the writer (bounded by --tensor-save-drain-timeout), write the rank's
+  summary file and log the summary line. A run that dies by an exception is finalised at
+  interpreter exit or when the next run in the same process starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import weakref
+from datetime import datetime
+from typing import Dict, Optional
+
+import torch
+
+from megatron.quantization.observers import register_observer, unregister_observer
+from megatron.tensor_capture import naming
+from megatron.tensor_capture.hooks import CaptureObserver, live_observers
+from megatron.tensor_capture.policy import CapturePolicy
+from megatron.tensor_capture.records import (
+    HostBufferPool, Recorder, RunContext, SiteInfo, site_info)
+from megatron.tensor_capture.writer import (
+    CaptureWriter, atomic_write_text, describe_error, json_line)
+from megatron.training.training import TrainingCallback
+
+RUN_ARGS = (
+    "model_preset", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "num_query_groups", "kv_channels", "seq_length", "micro_batch_size", "global_batch_size",
+    "num_micro_batches", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "data_parallel_size", "expert_model_parallel_size", "sequence_parallel", "num_experts",
+    "multi_latent_attention", "quant_scheme", "linear_quant", "attn_qk_quant", "attn_pv_quant",
+    "quant_backward", "mx_scale_mode", "mx_grad_format", "quant_skip_layers",
+    "quant_output_layer", "bf16", "fp16", "seed", "lr", "train_iters", "tokenizer_type",
+    "vocab_size", "padded_vocab_size", "mock_data", "data_path", "tensor_save_mode",
+    "tensor_save_layers", "tensor_save_filter", "tensor_save_kinds",
+)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 20:.1f} MiB"
+
+
+def _now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _parallel_ranks() -> Dict[str, int]:
+    ranks = {"rank": 0, "world_size": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "ep_rank": 0}
+    if not _dist_ready():
+        return ranks
+    from megatron.core import parallel_state as ps
+
+    ranks.update(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size())
+    if ps.model_parallel_is_initialized():
+        ranks.update(tp_rank=ps.get_tensor_model_parallel_rank(),
+                     pp_rank=ps.get_pipeline_model_parallel_rank(),
+                     dp_rank=ps.get_data_parallel_rank(),
+                     ep_rank=ps.get_expert_model_parallel_rank())
+    return ranks
+
+
+def collect_sites(model_chunks, ep_rank: int = 0) -> Dict[str, SiteInfo]:
+    """SiteInfo of every GEMM site in the model chunks (wrappers are looked through)."""
+    sites: Dict[str, SiteInfo] = {}
+    for chunk in model_chunks:
+        expert_offset = {}
+        for module in chunk.modules():
+            experts = getattr(module, "local_experts", None)
+            if isinstance(experts, torch.nn.ModuleList):
+                for sub in experts.modules():
+                    site = getattr(sub, "quant_site", None)
+                    if site is not None:
+                        expert_offset[site.name] = ep_rank * len(experts)
+        for module in chunk.modules():
+            site = getattr(module, "quant_site", None)
+            if site is not None:
+                sites[site.name] = site_info(site, expert_offset.get(site.name, 0))
+            for attr in ("qk_site", "pv_site"):
+                site = getattr(module, attr, None)
+                if site is None:
+                    continue
+                groups = getattr(module, "num_query_groups_per_partition", None)
+                heads = getattr(module, "num_attention_heads_per_partition", None)
+                per_group = heads // groups if groups and heads else None
+                sites[site.name] = site_info(site, groups=groups, heads_per_group=per_group)
+    return sites
+
+
+def _run_args(args) -> dict:
+    out = {}
+    for name in RUN_ARGS:
+        value = getattr(args, name, None)
+        out[name] = value if isinstance(value, (bool, int, float, str, type(None))) else \
+            (list(value) if isinstance(value, (list, tuple)) else str(value))
+    return out
+
+
+class TensorCaptureCallback(TrainingCallback):
+    """Captures GEMM tensors at the iterations and micro-batches the flags select."""
+
+    def __init__(self, args):
+        self.args = args
+        self.full = args.tensor_save_mode == "full"
+        self.continue_on_error = bool(args.tensor_save_continue_on_error)
+        self.directory = os.path.join(args.tensor_save_dir, args.quant_scheme)
+        self.policy: Optional[CapturePolicy] = None
+        self.writer: Optional[CaptureWriter] = None
+        self.observer: Optional[CaptureObserver] = None
+        self.recorder: Optional[Recorder] = None
+        self.run_id: Optional[str] = None
+        self.ranks = _parallel_ranks()
+        self.error: Optional[str] = None
+        self.stopped = False          # capture off for the rest of the run
+        self.registered = False
+        self.finished = False
+        self.exit_reason: Optional[str] = None
+        self.error_reported = False   # the stop reason was returned once
+        self._iteration_marks = (0, 0, 0.0, 0.0)
+        _LIVE_CALLBACKS.add(self)
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def on_train_start(self, args, model_chunks, iteration: int) -> None:
+        _finalize_stale(keep=self)
+        self.ranks = _parallel_ranks()
+        self.policy = CapturePolicy(
+            control_iter=args.control_iter, micro_batches=args.collect_micro_batches,
+            layers=args.tensor_capture_layers, kinds=args.tensor_capture_kinds,
+            name_filter=args.tensor_capture_filter, start_iteration=iteration)
+        self.run_id, error = self._agree_on_run_id(args)
+        if error is None:
+            error = self._open_writer()
+        error, here = self._first_error_on_any_rank(error)
+        if error is not None:
+            self._fail(error, quiet=not here)
+            return
+        context = RunContext(run_id=self.run_id, quant_type=args.quant_scheme,
+                             rank=self.ranks["rank"], tp_rank=self.ranks["tp_rank"],
+                             pp_rank=self.ranks["pp_rank"], dp_rank=self.ranks["dp_rank"],
+                             world_size=self.ranks["world_size"])
+        self.recorder = Recorder(context=context, submit=self.writer.submit, full=self.full,
+                                 pool=HostBufferPool(self.writer.max_bytes))
+        self.observer = CaptureObserver(self.policy, self.recorder,
+                                        collect_sites(model_chunks, self.ranks["ep_rank"]),
+                                        on_error=self._on_capture_exception)
+        last = self.policy.last_iteration
+        which = f"iterations {iteration + 1}..{last}" if last else "every iteration"
+        micro = min(args.collect_micro_batches, getattr(args, "num_micro_batches", 1 << 30))
+        self._log(f"capturing {which}, micro-batches 0..{micro - 1}, "
+                  f"mode {args.tensor_save_mode} -> {self.directory} (run {self.run_id}); "
+                  f"tensors: {self.policy.kinds.describe()}")
+
+    def _run_payload(self, args, run_id: str) -> bytes:
+        describe = args.quant_config.describe(args.num_layers) if hasattr(args, "quant_config") \
+            else ""
+        payload = {
+            "format_version": naming.FORMAT_VERSION, "run_id": run_id,
+            "quant_type": args.quant_scheme, "mode": args.tensor_save_mode,
+            "control_iter": args.control_iter,
+            "collect_micro_batches": args.collect_micro_batches,
+            "world_size": self.ranks["world_size"], "args": _run_args(args),
+            "quant_config": describe, "start_time": _now(),
+        }
+        return json_line(payload).encode("utf-8")
+
+    def _agree_on_run_id(self, args):
+        """Rank 0 claims a run id unique in the directory and broadcasts it (or its error)."""
+        result = [None, None]
+        if self.ranks["rank"] == 0:
+            base = naming.base_run_id()
+            try:
+                run_id = naming.claim_run_id(self.directory, base,
+                                             lambda rid: self._run_payload(args, rid))
+                result = [run_id, None]
+            except OSError as exc:
+                result = [base, describe_error(exc, self.directory)]
+        if self.ranks["world_size"] > 1 and _dist_ready():
+            torch.distributed.broadcast_object_list(result, src=0)
+        return result[0], result[1]
+
+    def _open_writer(self) -> Optional[str]:
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            manifest = naming.manifest_file(self.directory, self.run_id, self.ranks["rank"])
+            self.writer = CaptureWriter(
+                self.directory, manifest, full=self.full,
+                max_records=self.args.tensor_save_queue_size,
+                max_bytes=int(self.args.tensor_save_queue_mb * 2 ** 20))
+        except OSError as exc:
+            return describe_error(exc, self.directory)
+        return None
+
+    def _first_error_on_any_rank(self, error: Optional[str]):
+        """(error, whether it happened here): every rank stops capturing if any rank could
+        not start, so all ranks make the same decision."""
+        if self.ranks["world_size"] == 1 or not _dist_ready():
+            return error, True
+        flag = torch.tensor([1.0 if error else 0.0])
+        if torch.cuda.is_available():
+            flag = flag.cuda()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() > 0 and error is None:
+            return "capture could not start on another rank", False
+        return error, True
+
+    # -- per iteration ---------------------------------------------------------------------
+
+    def on_iteration_start(self, iteration: int) -> None:
+        if self.stopped or self.observer is None or not self.policy.captures_iteration(iteration):
+            return
+        self.observer.begin_iteration(iteration)
+        register_observer(self.observer)
+        self.registered = True
+        w = self.writer
+        self._iteration_marks = (self.recorder.records, self.recorder.data_bytes,
+                                 self.observer.seconds, w.stall_seconds)
+
+    def on_micro_batch_start(self, iteration: int, micro_batch: int) -> None:
+        if self.registered:
+            self.observer.micro_batch = micro_batch
+
+    def on_iteration_end(self, iteration: int) -> Optional[str]:
+        captured = self.registered
+        self._unregister()
+        last = self.policy.last_iteration if self.policy else None
+        if captured and not self.stopped and (
+                iteration == last or iteration >= getattr(self.args, "train_iters", 0)):
+            # The run is about to end: wait for the writer so its errors still count.
+            self.writer.drain(self.args.tensor_save_drain_timeout)
+        if captured:
+            self._log_iteration(iteration)
+        self._check_writer()
+        if self.error is not None and not self.error_reported:
+            self.error_reported = True
+            if not self.continue_on_error:
+                return f"error: tensor capture: {self.error}"
+        if self.error is None and last is not None and iteration >= last:
+            return "control-iter"
+        return None
+
+    def _unregister(self) -> None:
+        if self.registered:
+            unregister_observer(self.observer)
+            self.observer.end_iteration()
+            self.registered = False
+
+    def _log_iteration(self, iteration: int) -> None:
+        records, data, seconds, stall = self._iteration_marks
+        w = self.writer
+        self._log(f"iteration {iteration}: {self.recorder.records - records} records "
+                  f"({_mb(self.recorder.data_bytes - data)}) captured in "
+                  f"{self.observer.seconds - seconds:.2f} s, stall "
+                  f"{w.stall_seconds - stall:.2f} s; written so far {w.records} records, "
+                  f"{_mb(w.bytes)}, {w.pending} pending")
+
+    # -- errors ----------------------------------------------------------------------------
+
+    def _check_writer(self) -> None:
+        if self.writer is not None and self.writer.error is not None and self.error is None:
+            self._fail(self.writer.error)
+
+    def _on_capture_exception(self, exc: BaseException) -> None:
+        self._fail(f"capture failed: {type(exc).__name__}: {exc}")
+
+    def _fail(self, message: str, quiet: bool = False) -> None:
+        """Record the first failure, say it once, and stop capturing."""
+        if self.error is not None:
+            return
+        self.error = message
+        self.stopped = True
+        self._unregister()
+        if quiet:
+            return
+        then = "continuing training without capture" if self.continue_on_error else \
+            "stopping the run (pass --tensor-save-continue-on-error to keep training)"
+        print(f"error: tensor capture (rank {self.ranks['rank']}): {message}; capture "
+              f"stopped, {then}", file=sys.stderr, flush=True)
+
+    # -- end -------------------------------------------------------------------------------
+
+    def on_train_end(self, exit_reason: str) -> None:
+        self.exit_reason = exit_reason
+        self.finalize()
+
+    def finalize(self, timeout: Optional[float] = None) -> None:
+        """Drain the writer, write this rank's summary and log the summary line (once)."""
+        if self.finished:
+            return
+        self.finished = True
+        self._unregister()
+        if self.writer is None:
+            if self.error is not None:
+                self._log(f"summary: no records (capture failed: {self.error})", force=True)
+            return
+        timeout = self.args.tensor_save_drain_timeout if timeout is None else timeout
+        self.writer.close(timeout)
+        self._check_writer()
+        summary = self.writer.summary()
+        summary.update(error=self.error, end_time=_now(), run_id=self.run_id,
+                       rank=self.ranks["rank"], exit_reason=self.exit_reason,
+                       capture_seconds=round(self.observer.seconds, 6) if self.observer else 0.0)
+        path = naming.summary_file(self.directory, self.run_id, self.ranks["rank"])
+        try:
+            atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
+        except OSError as exc:
+            print(f"warning: tensor capture: summary not written ({describe_error(exc, path)})",
+                  file=sys.stderr, flush=True)
+        status = f"capture failed: {self.error}" if self.error else "complete"
+        self._log(f"summary: {summary['records']} records, {summary['files']} files, "
+                  f"{_mb(summary['bytes'])}, writing {summary['write_seconds']:.2f} s, stall "
+                  f"{summary['stall_seconds']:.2f} s, {summary['dropped']} dropped ({status}) "
+                  f"-> {self.directory} (run {self.run_id})", force=self.error is not None)
+
+    def _log(self, message: str, force: bool = False) -> None:
+        if self.ranks["rank"] == 0 or force:
+            rank = f" rank {self.ranks['rank']}" if self.ranks["world_size"] > 1 else ""
+            print(f"[tensor capture{rank}] {message}", flush=True)
+
+
+_LIVE_CALLBACKS: "weakref.WeakSet[TensorCaptureCallback]" = weakref.WeakSet()
+
+
+def _finalize_stale(keep=None) -> None:
+    """Finish runs that ended by an exception: their observer may still be registered."""
+    for observer in live_observers():
+        if keep is None or observer is not keep.observer:
+            unregister_observer(observer)
+    for callback in list(_LIVE_CALLBACKS):
+        if callback is not keep and not callback.finished and callback.writer is not None:
+            callback.exit_reason = callback.exit_reason or "exception"
+            callback.finalize(timeout=60.0)
+
+
+@atexit.register
+def _finalize_at_exit() -> None:
+    for callback in list(_LIVE_CALLBACKS):
+        if not callback.finished:
+            callback.exit_reason = callback.exit_reason or "exception"
+            try:
+                callback.finalize(timeout=60.0)
+            except Exception:  # noqa: BLE001 - best effort at interpreter exit
+                pass
+
+
+def build_capture_callback(args) -> Optional[TensorCaptureCallback]:
+    """The capture callback when --save-tensors (or TENSOR_SAVE_ENABLED) is on, else None."""
+    if not getattr(args, "save_tensors", False):
+        return None
+    return TensorCaptureCallback(args)

@@ -1,0 +1,338 @@
+"""Statistics of captured tensors and of their quantization error (docs/capture-format.md).
+
+The functions run on the tensor's own device (a GPU in real runs, so only a handful of scalars
+cross to the host) and return plain Python values ready for JSON. Non-finite results (an `inf`
+SQNR) stay floats here; the manifest writer encodes them as strings.
+
+Speed matters: stats mode runs every iteration. The common case (every value finite, known
+from min and max, which propagate NaN and show Inf) uses reductions and at most one or two
+full-size temporaries; masks are built only when NaN/Inf are present. Reductions over x are
+shared between tensor_info and quant_error (`Moments`) and reused for re-quantized copies of
+the same data.
+
+Accuracy: sums and sums of squares accumulate in float64; the variance is recomputed in two
+passes when the mean dominates it. `q - x` is computed in the input dtype, where it is exact:
+fake quantization rounds to a grid whose spacing is at most |x|, so q lies within a factor 2
+of x (or is 0), and by Sterbenz's lemma the difference is representable. The one exception,
+HiFP8 saturating values far above its maximum, is detected and computed in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.quantization.formats import (
+    HIFP8_OVERFLOW, NAN_EXPONENT, format_info, mx_shared_exponents)
+
+HIFP8_REGIONS = ("mant3", "mant2", "mant1", "denormal", "underflow", "overflow")
+_F64 = torch.float64
+
+
+def _scalars(values: List[torch.Tensor]) -> List[float]:
+    """Many 0-d tensors to Python floats with a single device synchronisation."""
+    if not values:
+        return []
+    return torch.stack([v.to(_F64) for v in values]).tolist()
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den else 0.0
+
+
+_ROW, _MAX_ROWS = 8192, 16384
+
+
+def _rows(t: torch.Tensor):
+    """t flattened into equal rows plus a tail. Reducing each row (one thread per row) and
+    then the few row results serially gives sums that do not depend on the number of
+    threads, so the same tensor gets bit-identical statistics in either capture mode."""
+    flat = t.reshape(-1)
+    n = flat.numel()
+    width = max(_ROW, -(-n // _MAX_ROWS))
+    full = n - n % width
+    return flat[:full].view(-1, width), flat[full:]
+
+
+def _sum64(t: torch.Tensor) -> torch.Tensor:
+    rows, tail = _rows(t)
+    return rows.sum(dim=1, dtype=_F64).sum() + tail.sum(dtype=_F64)
+
+
+def _sumsq64(t: torch.Tensor) -> torch.Tensor:
+    rows, tail = _rows(t)
+    norm = torch.linalg.vector_norm
+    return norm(rows, dim=1, dtype=_F64).square().sum() + norm(tail, dtype=_F64).square()
+
+
+# --------------------------------------------------------------------------------------------
+# tensor_info
+# --------------------------------------------------------------------------------------------
+
+def _empty_info(x: torch.Tensor) -> dict:
+    return {
+        "shape": list(x.shape), "dtype": str(x.dtype), "device": str(x.device),
+        "requires_grad": bool(x.requires_grad), "is_leaf": bool(x.is_leaf),
+        "numel": int(x.numel()), "min": None, "max": None, "mean": None, "std": None,
+        "absmax": None, "zero_fraction": 0.0, "nan_count": 0, "inf_count": 0,
+    }
+
+
+class Moments:
+    """Reductions over the finite values of one tensor, shared by tensor_info and
+    quant_error: count, min, max, sum, sum of squares (float64), nonzero count, variance.
+
+    Plain numbers once built (no tensor is kept), so a record that re-quantizes the same
+    data (weight_dgrad, input_wgrad, ...) can reuse them.
+    """
+
+    def __init__(self, x: torch.Tensor):
+        self.n = x.numel()
+        lo, hi = x.aminmax()           # NaN propagates; an Inf shows up as min or max
+        self.lo, self.hi = float(lo), float(hi)
+        self.all_finite = math.isfinite(self.lo) and math.isfinite(self.hi)
+        self.nan_count = 0
+        values = x
+        if not self.all_finite:
+            finite = torch.isfinite(x)
+            self.nan_count = int(torch.isnan(x).sum())
+            values = x[finite]
+            if values.numel():
+                lo, hi = values.aminmax()
+                self.lo, self.hi = float(lo), float(hi)
+        self.count = values.numel()
+        self.sum = self.sumsq = self.nonzero = self.variance = 0.0
+        if self.count:
+            self.sum, self.sumsq, self.nonzero = _scalars(
+                [_sum64(values), _sumsq64(values), torch.count_nonzero(values)])
+            self.variance = self._variance(values)
+
+    def _variance(self, values: torch.Tensor) -> float:
+        n, mean = self.count, self.sum / self.count
+        var = self.sumsq / n - mean * mean
+        # The one-pass formula loses digits when mean**2 dominates: redo it in two passes.
+        if mean * mean > 16.0 * max(var, 0.0):
+            centred = values.reshape(-1).to(_F64, copy=True).sub_(mean)
+            var, shift = _scalars([_sumsq64(centred) / n, _sum64(centred) / n])
+            var -= shift * shift
+        return max(var, 0.0)
+
+
+def _info_from(x: torch.Tensor, m: Moments) -> dict:
+    info = _empty_info(x)
+    info.update(nan_count=m.nan_count, inf_count=m.n - m.count - m.nan_count)
+    if m.count:
+        info.update(min=m.lo, max=m.hi, mean=m.sum / m.count, std=math.sqrt(m.variance),
+                    absmax=max(abs(m.lo), abs(m.hi)),
+                    zero_fraction=(m.count - m.nonzero) / m.n)
+    return info
+
+
+def tensor_info(x: torch.Tensor) -> dict:
+    """Shape, dtype and value statistics of `x` (statistics over its finite values).
+
+    std is the population standard deviation (ddof 0); zero_fraction is the fraction of all
+    elements that are zero; min/max/mean/std/absmax are None when no value is finite.
+    """
+    if x.numel() == 0:
+        return _empty_info(x)
+    return _info_from(x, Moments(x.detach()))
+
+
+# --------------------------------------------------------------------------------------------
+# Format-specific parts of quant_error
+# --------------------------------------------------------------------------------------------
+
+def _block_view(t: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    """t as [..., nblocks, block, ...] along `axis`, zero-padded like the MX quantizer."""
+    n = t.shape[axis]
+    pad = -n % block
+    if pad:
+        t = F.pad(t, [0, 0] * (t.dim() - 1 - axis) + [0, pad])
+    return t.unflatten(axis, ((n + pad) // block, block))
+
+
+def _mx_block_stats(x: torch.Tensor, fmt: str, info, axis: int, scale_mode: str,
+                    all_finite: bool = False):
+    """(saturated count tensor, scale-exponent histogram, NaN block count) of an MX operand.
+
+    An element saturates when |x| / 2**e exceeds the element format's max_normal, e being
+    its block's shared exponent. Elements of NaN/Inf blocks never count.
+    """
+    exps = mx_shared_exponents(x, fmt, axis=axis, scale_mode=scale_mode)
+    bad = exps == NAN_EXPONENT
+    any_bad = bool(bad.any())
+    # The limit max_normal * 2**e is exact in float32 (inf above its range, where no float32
+    # value can exceed it); 16-bit inputs are compared in float32 too.
+    work = x if x.dtype in (torch.float32, _F64) else x.float()
+    limit = torch.ldexp(torch.full(exps.shape, info.max_normal, dtype=work.dtype,
+                                   device=x.device), torch.where(bad, 0, exps) if any_bad else exps)
+    if any_bad:
+        limit = torch.where(bad, math.inf, limit)
+    excess = _block_view(work.abs(), axis, info.block_size)
+    if all_finite:
+        # |x| - limit > 0 exactly when |x| > limit; in place on the |x| temporary.
+        saturated = torch.count_nonzero(excess.sub_(limit.unsqueeze(axis + 1)).clamp_(min=0))
+    else:
+        # NaN compares False, so non-finite elements are never counted.
+        saturated = torch.count_nonzero(excess > limit.unsqueeze(axis + 1))
+    good = exps[~bad] if any_bad else exps.reshape(-1)
+    nan_blocks = exps.numel() - good.numel()
+    if good.numel() == 0:
+        return saturated, {"min": None, "counts": []}, nan_blocks
+    lo = int(good.min())
+    counts = torch.bincount((good - lo).reshape(-1)).tolist()
+    return saturated, {"min": lo, "counts": counts}, nan_blocks
+
+
+# Region of a finite nonzero value by e = floor(log2|x|), for e clamped to [-24, 16].
+_REGION_OF_EXPONENT = [
+    4 if e <= -24 else 3 if e <= -16 else
+    0 if abs(e) <= 3 else 1 if abs(e) <= 7 else 2 if abs(e) <= 15 else 5
+    for e in range(-24, 17)
+]
+# (integer view dtype, shift to the exponent field, field mask, bias) of float dtypes.
+_EXPONENT_FIELD = {torch.float32: (torch.int32, 23, 0xFF, 127),
+                   torch.bfloat16: (torch.int16, 7, 0xFF, 127),
+                   torch.float64: (torch.int64, 52, 0x7FF, 1023)}
+
+
+def hifp8_regions(x: torch.Tensor, all_finite: bool = False) -> dict:
+    """Fractions of the finite nonzero values of `x` in each HiFP8 precision region.
+
+    By e = floor(log2|x|): mant3 |e| <= 3, mant2 4..7, mant1 8..15, denormal -23..-16
+    (2**-23 <= |x| < 2**-15, rounded to powers of two), underflow e <= -24 (|x| < 2**-23,
+    rounded to 0), overflow |x| >= 40960 (1.25 * 2**15, beyond the largest finite value).
+    e is read from the exponent bits: one histogram pass, no per-element branching.
+    `all_finite` skips the check for NaN/Inf when the caller already knows.
+    """
+    x = x.detach()
+    if x.dtype not in _EXPONENT_FIELD:
+        x = x.float()
+    if not all_finite:
+        finite = torch.isfinite(x)
+        if not bool(finite.all()):
+            x = x[finite]
+    view, shift, mask, bias = _EXPONENT_FIELD[x.dtype]
+    field = (x.reshape(-1).view(view) >> shift) & mask
+    per_field = torch.bincount(field, minlength=mask + 1).tolist()
+    zeros = x.numel() - int(torch.count_nonzero(x))
+    overflow = int(torch.count_nonzero(x.abs() >= HIFP8_OVERFLOW))
+    counts = [0] * len(HIFP8_REGIONS)
+    counts[4] += per_field[0] - zeros           # subnormals of the dtype: far below 2**-23
+    for f in range(1, mask):
+        if per_field[f]:
+            e = min(max(f - bias, -24), 16)
+            counts[_REGION_OF_EXPONENT[e + 24]] += per_field[f]
+    # |x| in [40960, 65536) has e = 15 (mant1) but overflows.
+    counts[2] -= overflow - counts[5]
+    counts[5] = overflow
+    total = sum(counts)
+    return {name: _ratio(c, total) for name, c in zip(HIFP8_REGIONS, counts)}
+
+
+# --------------------------------------------------------------------------------------------
+# quant_error
+# --------------------------------------------------------------------------------------------
+
+def _difference(x: torch.Tensor, q: torch.Tensor, info, absmax: float) -> torch.Tensor:
+    """q - x, exact (see the module docstring)."""
+    if info.kind not in ("mx", "none") and absmax > 2 * info.max_normal:
+        return q.to(_F64) - x.to(_F64)     # saturated far beyond the format's range
+    return q - x
+
+
+def quant_error(x: torch.Tensor, q: torch.Tensor, fmt: str, axis: Optional[int] = None,
+                scale_mode: str = "floor") -> dict:
+    """Error of q = fake_quantize(x, fmt, axis, scale_mode, ...) relative to x.
+
+    mse, sqnr_db and relative_error are over the elements where both x and q are finite
+    (float64 accumulation); fractions have the documented denominators and are 0 when that
+    is empty.
+    """
+    return record_stats(x, q, fmt, axis, scale_mode)[1]
+
+
+def record_stats(x: torch.Tensor, q: Optional[torch.Tensor] = None, fmt: str = "none",
+                 axis: Optional[int] = None, scale_mode: str = "floor"):
+    """(tensor_info(x), quant_error(x, q, ...) or None), sharing the reductions over x."""
+    info, error, _ = compute_stats(x, q, fmt, axis, scale_mode)
+    return info, error
+
+
+def compute_stats(x: torch.Tensor, q: Optional[torch.Tensor] = None, fmt: str = "none",
+                  axis: Optional[int] = None, scale_mode: str = "floor",
+                  moments: Optional[Moments] = None):
+    """record_stats plus the Moments of x; pass `moments` of the same data (another view of
+    the same tensor) to skip recomputing them."""
+    if x.numel() == 0:
+        error = _empty_error(format_info(fmt)) if q is not None else None
+        return _empty_info(x), error, None
+    m = moments if moments is not None else Moments(x.detach())
+    info = _info_from(x, m)     # requires_grad / is_leaf of the tensor as given
+    if q is None:
+        return info, None, m
+    return info, _quant_error(x.detach(), q.detach(), format_info(fmt), axis, scale_mode, m), m
+
+
+def _empty_error(info) -> dict:
+    result = {"mse": None, "sqnr_db": None, "relative_error": None, "flushed_fraction": 0.0,
+              "saturated_fraction": 0.0, "nonfinite_fraction": 0.0}
+    if info.kind == "mx":
+        result.update(scale_exponent_hist={"min": None, "counts": []}, nan_blocks=0)
+    if info.kind == "hifp8":
+        result["hifp8_regions"] = {name: 0.0 for name in HIFP8_REGIONS}
+    return result
+
+
+def _quant_error(x, q, info, axis, scale_mode, m: Moments) -> dict:
+    result = _empty_error(info)
+    n = m.n
+    qlo, qhi = q.aminmax()
+    all_finite = m.all_finite and math.isfinite(float(qlo)) and math.isfinite(float(qhi))
+    if all_finite:
+        # x == 0 implies q == 0, so the flushed count is nonzero(x) - nonzero(q).
+        n_finite_q = count = n
+        sig2, n_nonzero = m.sumsq, m.nonzero
+        diff = _difference(x, q, info, max(-m.lo, m.hi))
+        values = [_sumsq64(diff), m.nonzero - torch.count_nonzero(q)]
+    else:
+        finite_x, finite_q = torch.isfinite(x), torch.isfinite(q)
+        n_finite_q = int(finite_q.sum())
+        both = finite_x & finite_q
+        xs, qs = x[both].to(_F64), q[both].to(_F64)
+        count = xs.numel()
+        nonzero = finite_x & (x != 0)
+        values = [_sumsq64(qs - xs), (nonzero & (q == 0)).sum(), _sumsq64(xs), nonzero.sum()]
+
+    if info.kind == "mx":
+        saturated, hist, nan_blocks = _mx_block_stats(x, info.name, info, axis % x.dim(),
+                                                      scale_mode, all_finite)
+        result.update(scale_exponent_hist=hist, nan_blocks=nan_blocks)
+    elif info.kind == "hifp8":
+        # Clamped to +-32768 (saturating cast) or sent to +-Inf (plain cast).
+        big = q.abs() >= info.max_normal
+        saturated = torch.count_nonzero(big if all_finite else big & torch.isfinite(x))
+        result["hifp8_regions"] = hifp8_regions(x, all_finite)
+    elif info.kind == "float":
+        saturated = torch.count_nonzero(torch.isfinite(x) & (x.abs() > info.max_normal))
+    else:
+        saturated = torch.zeros((), dtype=torch.int64)
+    scalars = _scalars(values + [saturated])
+    if all_finite:
+        err2, flushed, saturated = scalars
+    else:
+        err2, flushed, sig2, n_nonzero, saturated = scalars
+
+    if count:
+        result["mse"] = err2 / count
+        if sig2 > 0:
+            result["relative_error"] = math.sqrt(err2 / sig2)
+            result["sqnr_db"] = math.inf if err2 == 0 else 10.0 * math.log10(sig2 / err2)
+    result["flushed_fraction"] = _ratio(flushed, n_nonzero)
+    result["saturated_fraction"] = _ratio(saturated, m.count)
+    result["nonfinite_fraction"] = _ratio(n - n_finite_q, n)
+    return result
