@@ -1,0 +1,74 @@
+"""HiFloat8 precision regions: where values fall on HiF8's tapered grid.
+
+HiF8 (per element, no scaling) spends its mantissa bits unevenly across binades:
+
+    |x| in [2^-3, 2^4)                        3-bit mantissa  ("mant3", |E| <= 3)
+    [2^-7, 2^-3) and [2^4, 2^8)               2-bit mantissa  ("mant2", |E| 4..7)
+    [2^-15, 2^-7) and [2^8, 1.25 * 2^15)      1-bit mantissa  ("mant1", |E| 8..15)
+    [2^-23, 2^-15)                            denormal powers of two 2^-22..2^-16
+                                              ([2^-23, 2^-22) rounds up to 2^-22)
+    below 2^-23                               underflow (rounds to 0)
+    1.25 * 2^15 = 40960 and above             overflow (rounds to Inf, or saturates)
+
+Every boundary is a bin edge of the shared histogram layout, so region shares of any set of
+records come straight from its |x| histogram: for HiFP8 captures they describe the actual
+quantization, for other formats they answer "how would these values sit in HiF8, unscaled".
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import numpy as np
+
+from megatron.analysis.accumulators import REGIONS
+from megatron.analysis.binning import bin_index_of_value
+
+OVERFLOW = 1.25 * 2.0 ** 15
+UNDERFLOW = 2.0 ** -23
+
+# (label, lower bound, upper bound, mantissa bits or None) from small to large magnitude;
+# the two sides of the tapered layout are kept apart for plots.
+SIDED_REGIONS: List[Tuple[str, float, float, object]] = [
+    ("underflow", 0.0, UNDERFLOW, None),
+    ("denormal", UNDERFLOW, 2.0 ** -15, 0),
+    ("mant1 (small)", 2.0 ** -15, 2.0 ** -7, 1),
+    ("mant2 (small)", 2.0 ** -7, 2.0 ** -3, 2),
+    ("mant3", 2.0 ** -3, 2.0 ** 4, 3),
+    ("mant2 (large)", 2.0 ** 4, 2.0 ** 8, 2),
+    ("mant1 (large)", 2.0 ** 8, OVERFLOW, 1),
+    ("overflow", OVERFLOW, float("inf"), None),
+]
+# Sided region -> the six regions of the capture format's `hifp8_regions`.
+_SIDED_TO_REGION = ["underflow", "denormal", "mant1", "mant2", "mant3", "mant2", "mant1",
+                    "overflow"]
+
+
+def sided_counts_from_hist(hist: np.ndarray) -> np.ndarray:
+    """Counts of binned (finite nonzero) magnitudes in each of the 8 SIDED_REGIONS."""
+    cuts = [0] + [bin_index_of_value(hi) for _, _, hi, _ in SIDED_REGIONS[:-1]] + [hist.size]
+    return np.array([hist[a:b].sum() for a, b in zip(cuts[:-1], cuts[1:])], dtype=np.int64)
+
+
+def region_counts_from_hist(hist: np.ndarray) -> np.ndarray:
+    """Counts in the six capture-format regions (underflow, denormal, mant1..3, overflow)."""
+    sided = sided_counts_from_hist(hist)
+    out = np.zeros(len(REGIONS), dtype=np.int64)
+    for count, name in zip(sided, _SIDED_TO_REGION):
+        out[REGIONS.index(name)] += count
+    return out
+
+
+def regions_from_fractions(fractions: dict, nonzero: float) -> np.ndarray:
+    """Region counts from a manifest's `hifp8_regions` fractions (records without tensors)."""
+    return np.array([float(fractions.get(name) or 0.0) * nonzero for name in REGIONS])
+
+
+def zones_log2():
+    """(lo, hi, label, mantissa bits) of each sided region in log2|x| units, for plot bands."""
+    out = []
+    for label, lo, hi, bits in SIDED_REGIONS:
+        lo2 = np.log2(lo) if lo > 0 else -np.inf
+        hi2 = np.log2(hi) if np.isfinite(hi) else np.inf
+        out.append((lo2, hi2, label, bits))
+    return out

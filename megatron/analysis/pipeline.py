@@ -1,0 +1,213 @@
+"""The analysis run: captures + loss logs -> statistics.json/.txt, records.csv, PNGs, report.html.
+
+`analyze(options)` never raises for bad input: problems (missing or empty directories,
+truncated manifest lines, unknown format versions, unreadable records, requested quant types
+without data, unreadable loss logs) are logged, listed in statistics.json and the report, and
+whatever is valid is analysed. `AnalysisResult.produced` says whether anything was written.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from megatron.analysis import losses as loss_mod
+from megatron.analysis import plots, report, statistics, textreport
+from megatron.analysis.loading import Problems, discover, read_capture
+from megatron.analysis.workers import BatchResult, run_batches
+
+log = logging.getLogger("megatron.analysis")
+
+
+@dataclass
+class Options:
+    """What to analyse and where to write it (mirrors the CLI flags)."""
+
+    tensor_dirs: List[str] = field(default_factory=list)
+    output_dir: str = "reports/analysis"
+    quant_types: Optional[List[str]] = None
+    workers: int = 1
+    progress: bool = True
+    layers: Optional[List[int]] = None
+    iterations: Optional[List[int]] = None
+    operations: Optional[List[str]] = None
+    max_records: Optional[int] = None
+    manifest_only: bool = False
+    loss_logs: List[str] = field(default_factory=list)
+    loss_dirs: List[str] = field(default_factory=list)
+    loss_baseline: str = "bf16"
+    figures: bool = True
+
+
+@dataclass
+class AnalysisResult:
+    produced: bool
+    error: Optional[str]
+    statistics: Optional[dict]
+    output_dir: str
+    problems: Problems
+
+
+def parse_int_list(text: Optional[str]) -> Optional[List[int]]:
+    """'1,3,5-8' -> [1, 3, 5, 6, 7, 8] (None stays None)."""
+    if text is None:
+        return None
+    out: List[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part[1:]:
+            lo, hi = part.split("-", 1) if not part.startswith("-") else (part, part)
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def _wanted(label: str, wanted: List[str]) -> bool:
+    return label in wanted or label.split("@")[0] in wanted
+
+
+def _select(entries, options: Options, problems: Problems):
+    """Entries passing the filters; --max-records keeps an even spread per quant type."""
+    def keep(e):
+        m = e.metadata
+        if options.quant_types and not _wanted(e.quant_type, options.quant_types):
+            return False
+        if options.layers is not None and m.get("layer_idx") not in options.layers:
+            return False
+        if options.iterations is not None and m.get("iteration") not in options.iterations:
+            return False
+        if options.operations and m.get("operation") not in options.operations:
+            return False
+        return True
+
+    chosen = [e for e in entries if keep(e)]
+    if options.quant_types:
+        found = {e.quant_type for e in chosen} | {e.quant_type.split("@")[0] for e in chosen}
+        for qt in options.quant_types:
+            if qt not in found:
+                problems.add("quant_type_without_data",
+                             f"quant type {qt} has no records in the given capture "
+                             f"directories (after filters); it is left out")
+    if options.max_records:
+        by_qt = {}
+        for e in chosen:
+            by_qt.setdefault(e.quant_type, []).append(e)
+        chosen = []
+        for qt, items in by_qt.items():
+            step = max(1, len(items) // options.max_records)
+            chosen.extend(items[::step][:options.max_records])
+    return chosen
+
+
+def _disambiguate(captures) -> None:
+    """Captures of one quant type from different parent directories (e.g. a floor and an
+    rceil experiment) are kept apart as `quant_type@parent`; directories under the same
+    parent (several runs appended to one capture) are merged."""
+    parents = {}
+    for capture in captures:
+        parents.setdefault(capture.quant_type, set()).add(
+            os.path.dirname(capture.directory.rstrip("/")))
+    for capture in captures:
+        if len(parents[capture.quant_type]) > 1:
+            parent = os.path.basename(os.path.dirname(capture.directory.rstrip("/")))
+            label = f"{capture.quant_type}@{parent}"
+            capture.quant_type = label
+            for entry in capture.entries:
+                entry.quant_type = label
+
+
+def _write_records_csv(path: str, rows: List[dict]) -> None:
+    if not rows:
+        return
+    fields = list(rows[0].keys())
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in sorted(rows, key=lambda r: (r["quant_type"], r.get("file") or "")):
+            writer.writerow(row)
+
+
+def analyze(options: Options) -> AnalysisResult:
+    t_start = time.perf_counter()
+    problems = Problems()
+    outdir = options.output_dir
+    captures, entries = [], []
+    if options.tensor_dirs:
+        for directory in discover(options.tensor_dirs, problems):
+            capture = read_capture(directory, problems)
+            if not capture.entries:
+                problems.add("empty_capture", f"{directory}: the manifests list no valid "
+                                              f"records")
+            captures.append(capture)
+        _disambiguate(captures)
+        for capture in captures:
+            entries.extend(capture.entries)
+    log.info("%d capture directories, %d manifest records", len(captures), len(entries))
+    selected = _select(entries, options, problems)
+    t_manifest = time.perf_counter()
+    result = (run_batches(selected, options.workers, options.progress,
+                          use_tensors=not options.manifest_only)
+              if selected else BatchResult())
+    # Workers finish in any order; sorted problems keep reports reproducible.
+    problems.extend(sorted(result.problems, key=lambda p: p["message"]))
+    t_summary = time.perf_counter()
+
+    curves = loss_mod.load_curves(options.loss_logs, options.loss_dirs, problems)
+    if not result.groups and not curves:
+        reason = ("no valid capture records" if options.tensor_dirs else "no capture directory")
+        if options.loss_logs or options.loss_dirs:
+            reason += " and no readable loss logs"
+        first = problems.items[0]["message"] if problems.items else "nothing to analyse"
+        return AnalysisResult(False, f"{reason} ({first})", None, outdir, problems)
+
+    os.makedirs(os.path.join(outdir, "figures"), exist_ok=True)
+    figures = []
+    qts = statistics.quant_types_of(result.groups)
+    color_names = sorted(set(qts) | {c.name for c in curves})
+    if options.figures and result.groups:
+        figures = plots.make_all(result.groups, os.path.join(outdir, "figures"), qts,
+                                 workers=options.workers, color_names=color_names)
+    losses_doc = None
+    if curves:
+        losses_doc = loss_mod.loss_table(curves, options.loss_baseline)
+        if not losses_doc["baseline_found"]:
+            problems.add("loss_baseline_missing",
+                         f"loss baseline {options.loss_baseline} is not among the runs "
+                         f"({', '.join(c.name for c in curves)}); no gaps computed")
+        if options.figures:
+            fig = loss_mod.plot_losses(curves, options.loss_baseline,
+                                       os.path.join(outdir, "figures"),
+                                       colors=plots.qt_colors(color_names))
+            if fig:
+                figures.insert(0, fig)
+    t_figures = time.perf_counter()
+    timing = {"manifests_seconds": round(t_manifest - t_start, 3),
+              "summaries_seconds": round(t_summary - t_manifest, 3),
+              "record_load_seconds_summed_over_workers": round(result.seconds_load, 3),
+              "record_compute_seconds_summed_over_workers": round(result.seconds_compute, 3),
+              "figures_seconds": round(t_figures - t_summary, 3),
+              "workers": options.workers, "records": result.records,
+              "bytes": result.bytes}
+    inputs = {"tensor_dirs": list(options.tensor_dirs),
+              "capture_dirs": [c.directory for c in captures],
+              "quant_types_requested": options.quant_types,
+              "filters": {"layers": options.layers, "iterations": options.iterations,
+                          "operations": options.operations, "max_records": options.max_records,
+                          "manifest_only": options.manifest_only},
+              "loss_sources": [c.source for c in curves]}
+    doc = statistics.build(result, captures, problems, inputs, losses_doc, figures, timing)
+    statistics.write_json(os.path.join(outdir, "statistics.json"), doc)
+    with open(os.path.join(outdir, "statistics.txt"), "w", encoding="utf-8") as f:
+        f.write(textreport.render(doc))
+    _write_records_csv(os.path.join(outdir, "records.csv"), result.rows)
+    report.write(doc, outdir)
+    log.info("wrote %s (statistics.json, statistics.txt, records.csv, report.html, %d figures) "
+             "in %.1f s", outdir, len(figures), time.perf_counter() - t_start)
+    return AnalysisResult(True, None, doc, outdir, problems)

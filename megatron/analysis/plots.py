@@ -1,0 +1,628 @@
+"""Figures of the analysis: one function per figure, each returning its description.
+
+Every function takes the merged per-group `Stats` (and options), writes one PNG into `outdir`
+and returns `{"file", "title", "caption"}` (or None when there is nothing to draw). Colours
+are fixed per quant type across figures. Uses matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from megatron.analysis.accumulators import SCALE_MIN, Stats  # noqa: E402
+from megatron.analysis.binning import bin_edges_log2  # noqa: E402
+from megatron.analysis.hifp8 import SIDED_REGIONS, sided_counts_from_hist, zones_log2  # noqa: E402
+from megatron.analysis.ranges import format_ranges, known_formats  # noqa: E402
+from megatron.analysis.statistics import merge_by, tensor_class  # noqa: E402
+from megatron.analysis.workers import GroupKey  # noqa: E402
+
+DPI = 110
+_EDGES = bin_edges_log2()
+_WIDTHS = np.diff(_EDGES)
+_CLASSES = ("activation", "weight", "gradient")
+_MANTISSA_COLORS = {3: "#b7e4c7", 2: "#d8f3dc", 1: "#fff3b0", 0: "#ffd6a5", None: "#e9ecef"}
+_REGION_COLORS = ["#adb5bd", "#f4a261", "#e9c46a", "#a7c957", "#2a9d8f", "#6a994e",
+                  "#bc6c25", "#d62828"]
+
+
+def _format_order(names) -> List[str]:
+    order = known_formats()
+    return sorted(names, key=lambda f: (order.index(f) if f in order else len(order), f))
+
+
+_MODULE_ORDER = ("linear_qkv", "linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                 "core_attention", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+_TENSOR_ORDER = ("input", "weight", "query", "key", "probs", "value", "grad_output",
+                 "grad_scores", "weight_dgrad", "key_dgrad", "value_dgrad", "input_wgrad",
+                 "query_wgrad", "probs_wgrad", "grad_output_wgrad", "grad_scores_wgrad")
+
+
+def _rank(value: str, order) -> tuple:
+    return (order.index(value) if value in order else len(order), value)
+
+
+def qt_colors(quant_types: Sequence[str]) -> Dict[str, tuple]:
+    cmap = plt.get_cmap("tab10")
+    return {qt: cmap(i % 10) for i, qt in enumerate(sorted(quant_types))}
+
+
+def _save(fig, outdir: str, name: str) -> str:
+    # Minor ticks cost most of the drawing time (log axes) and add little here.
+    for ax in fig.axes:
+        ax.minorticks_off()
+    path = os.path.join(outdir, name)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return name
+
+
+def _density(hist: np.ndarray):
+    """Fraction of binned values per binade (bins have unequal log2 widths)."""
+    total = hist.sum()
+    return hist / total / _WIDTHS if total else hist.astype(float)
+
+
+def _nonzero_span(hists: List[np.ndarray], pad: float = 1.0):
+    lo, hi = math.inf, -math.inf
+    for h in hists:
+        if h is None or not h.any():
+            continue
+        nz = np.flatnonzero(h)
+        lo = min(lo, _EDGES[nz[0]])
+        hi = max(hi, _EDGES[nz[-1] + 1])
+    if not math.isfinite(lo):
+        return None
+    return lo - pad, hi + pad
+
+
+def _step(ax, hist, **kwargs):
+    """Density as a step line over the populated bins only (empty bins left as gaps)."""
+    nz = np.flatnonzero(hist)
+    lo, hi = nz[0], nz[-1] + 1
+    y = _density(hist)[lo:hi]
+    ax.stairs(np.where(y > 0, y, np.nan), _EDGES[lo:hi + 1], **kwargs)
+
+
+def _label(op: str) -> str:
+    return {"forward": "fwd", "backward": "bwd"}.get(op, op)
+
+
+# -- value distributions ----------------------------------------------------------------------
+
+def _mx_zones(ax, fmt, xlim):
+    """Shade flush / subnormal / saturation zones of an MX element format (scaled domain)."""
+    r = format_ranges(fmt)
+    lo_sub, lo_norm, hi = (math.log2(r.min_subnormal), math.log2(r.min_normal),
+                           math.log2(r.max_normal))
+    ax.axvspan(xlim[0], lo_sub - 1, color="#ced4da", alpha=0.6, lw=0)
+    ax.axvspan(lo_sub - 1, lo_norm, color="#ffe8a3", alpha=0.7, lw=0)
+    ax.axvspan(hi, xlim[1], color="#ffb3b3", alpha=0.6, lw=0)
+    ax.axvline(hi, color="#c1121f", lw=1, ls="--")
+    ax.axvline(lo_norm, color="#b08900", lw=1, ls=":")
+    return [Patch(color="#ced4da", label=f"flushed to 0 (< {_pow2(r.min_subnormal / 2)})"),
+            Patch(color="#ffe8a3", label=f"element subnormals (< {_pow2(r.min_normal)})"),
+            Patch(color="#ffb3b3", label=f"saturated (> {_pow2(r.max_normal)})")]
+
+
+def _pow2(value: float) -> str:
+    """2^k for powers of two, the plain number otherwise."""
+    exp = math.log2(value)
+    return f"2^{int(exp)}" if exp == int(exp) and abs(exp) > 2 else f"{value:g}"
+
+
+def _hifp8_zones(ax, xlim, alpha=0.55):
+    handles = []
+    for lo, hi, label, bits in zones_log2():
+        lo, hi = max(lo, xlim[0]), min(hi, xlim[1])
+        if hi <= lo:
+            continue
+        color = {"underflow": "#ced4da", "overflow": "#ffb3b3"}.get(label,
+                                                                     _MANTISSA_COLORS[bits])
+        ax.axvspan(lo, hi, color=color, alpha=alpha, lw=0)
+    for bits, text in ((3, "3-bit mantissa"), (2, "2-bit mantissa"), (1, "1-bit mantissa"),
+                       (0, "denormal (2^-22..2^-16)")):
+        handles.append(Patch(color=_MANTISSA_COLORS[bits], label=text))
+    handles += [Patch(color="#ced4da", label="underflow (< 2^-23)"),
+                Patch(color="#ffb3b3", label="overflow (>= 40960)")]
+    return handles
+
+
+def value_distributions(groups: Dict[GroupKey, Stats], outdir: str, colors) -> Optional[dict]:
+    """Per format: histogram of log2|x| (MX: relative to the block scale) with range zones."""
+    fmts = _format_order({k.format for k in groups if k.format != "none"})
+    if not fmts:
+        return None
+    merged = merge_by(groups, lambda k: (k.format, k.quant_type, k.operation),
+                      lambda k: k.format != "none")
+    ncols = min(2, len(fmts))
+    nrows = math.ceil(len(fmts) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.2 * ncols, 5.4 * nrows), squeeze=False,
+                             layout="constrained")
+    for ax, fmt in zip(axes.flat, fmts):
+        r = format_ranges(fmt)
+        mx = r.kind == "mx"
+        hists = {(qt, op): (s.scaled_hist if mx else s.hist)
+                 for (f, qt, op), s in merged.items() if f == fmt}
+        span = _nonzero_span(list(hists.values())) or (-30, 20)
+        if mx:
+            xlim = (max(span[0], math.log2(r.min_subnormal) - 12), math.log2(r.max_normal) + 2)
+            zone_handles = _mx_zones(ax, fmt, xlim)
+            ax.set_xlabel("log2(|x| / block scale 2^e)   [binades]")
+        else:
+            xlim = (max(span[0], -30), max(span[1], 17))
+            zone_handles = _hifp8_zones(ax, xlim) if r.kind == "hifp8" else []
+            ax.set_xlabel("log2|x|   [binades]")
+        line_handles = []
+        for (qt, op), hist in sorted(hists.items()):
+            if hist is None or not hist.any():
+                continue
+            _step(ax, hist, color=colors[qt], lw=1.6, ls="-" if op == "forward" else "--")
+            line_handles.append(plt.Line2D([], [], color=colors[qt],
+                                           ls="-" if op == "forward" else "--",
+                                           label=f"{qt} ({_label(op)})"))
+        ax.set_xlim(*xlim)
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=1e-7)
+        ax.set_ylabel("fraction of nonzero values per binade")
+        kind = "MX element domain" if mx else ("HiF8, per element" if r.kind == "hifp8"
+                                               else r.kind)
+        ax.set_title(f"{fmt} ({kind})")
+        ax.grid(alpha=0.3, lw=0.5)
+        # Below the axes: the curves' upper-left corner is where data usually is.
+        ax.legend(handles=line_handles + zone_handles, fontsize=7, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
+    for ax in list(axes.flat)[len(fmts):]:
+        ax.set_visible(False)
+    fig.suptitle("Value distributions of quantized operands, with each format's range",
+                 fontsize=12)
+    return {"file": _save(fig, outdir, "value_distributions.png"),
+            "title": "Value distributions per format",
+            "caption": "Histogram of log2 magnitudes of the high-precision operands of each "
+                       "format (solid: forward, dashed: backward). MX panels are in the element "
+                       "domain (|x| divided by the block's shared scale), where grey marks "
+                       "values flushed to zero, yellow the element subnormals and red the "
+                       "saturated values; HiF8 panels are absolute, shaded by mantissa width "
+                       "of the tapered format."}
+
+
+def absolute_distributions(groups, outdir: str, colors) -> Optional[dict]:
+    """log2|x| per tensor class for every quant type, with HiF8's tapered regions for scale."""
+    merged = merge_by(groups, lambda k: (tensor_class(k.tensor_name), k.quant_type, k.operation))
+    present = [c for c in _CLASSES if any(k[0] == c for k in merged)]
+    if not present:
+        return None
+    fig, axes = plt.subplots(1, len(present), figsize=(5.4 * len(present), 5.2), squeeze=False,
+                             layout="constrained")
+    for ax, cls in zip(axes.flat, present):
+        hists = {(qt, op): s.hist for (c, qt, op), s in merged.items() if c == cls}
+        span = _nonzero_span(list(hists.values())) or (-30, 20)
+        xlim = (max(span[0], -60), min(max(span[1], 0), 130))
+        _hifp8_zones(ax, xlim, alpha=0.35)
+        handles = []
+        for (qt, op), hist in sorted(hists.items()):
+            if hist is None or not hist.any():
+                continue
+            ls = "-" if op == "forward" else "--"
+            _step(ax, hist, color=colors[qt], lw=1.4, ls=ls)
+            handles.append(plt.Line2D([], [], color=colors[qt], ls=ls,
+                                      label=f"{qt} ({_label(op)})"))
+        ax.set_xlim(*xlim)
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=1e-7)
+        ax.set_title(f"{cls} tensors")
+        ax.set_xlabel("log2|x|   [binades]")
+        ax.set_ylabel("fraction of nonzero values per binade")
+        ax.grid(alpha=0.3, lw=0.5)
+        ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                  ncol=2, frameon=False)
+    fig.suptitle("Magnitudes of all captured tensors (background: HiF8 mantissa-width regions)",
+                 fontsize=12)
+    return {"file": _save(fig, outdir, "absolute_distributions.png"),
+            "title": "Absolute magnitude distributions",
+            "caption": "log2|x| of every captured tensor by class (activations incl. attention "
+                       "operands, weights, gradients), per quant type; solid forward, dashed "
+                       "backward. The background shows where HiF8 would keep 3, 2 or 1 "
+                       "mantissa bits without scaling."}
+
+
+# -- error heat maps --------------------------------------------------------------------------
+
+_HEAT_METRICS = (
+    ("sqnr_db", "SQNR [dB]", "viridis", False),
+    ("mse", "log10 MSE", "magma_r", True),
+    ("saturated_fraction", "saturated [%]", "Reds", False),
+    ("flushed_fraction", "flushed to zero [%]", "Blues", False),
+)
+
+
+def _column_label(module: str, tensor: str) -> str:
+    module = module.replace("linear_", "").replace("core_attention", "attn")
+    return f"{module}: {tensor}"
+
+
+def error_heatmap(groups, outdir: str, quant_type: str) -> Optional[dict]:
+    """Layers x quantized operands, for SQNR, MSE, saturated and flushed fractions."""
+    mine = {k: v for k, v in groups.items() if k.quant_type == quant_type and k.format != "none"}
+    if not mine:
+        return None
+    merged = merge_by(mine, lambda k: (k.layer, k.operation, k.module, k.tensor_name))
+    layers = sorted({k[0] for k in merged})
+    columns = sorted({(k[1], k[2], k[3]) for k in merged},
+                     key=lambda c: (0 if c[0] == "forward" else 1, _rank(c[1], _MODULE_ORDER),
+                                    _rank(c[2], _TENSOR_ORDER)))
+    grid = {name: np.full((len(layers), len(columns)), np.nan) for name, *_ in _HEAT_METRICS}
+    for (layer, op, module, tensor), stats in merged.items():
+        q = stats.metrics()["quantization"] or {}
+        i, j = layers.index(layer), columns.index((op, module, tensor))
+        for name, _, _, log in _HEAT_METRICS:
+            v = q.get(name)
+            if v is None:
+                continue
+            if name == "sqnr_db" and math.isinf(v):
+                v = np.nan
+            elif log:
+                v = math.log10(v) if v > 0 else np.nan
+            elif name.endswith("fraction"):
+                v = 100.0 * v
+            grid[name][i, j] = v
+    width = max(8.0, 0.42 * len(columns) + 3.0)
+    panel_h = 0.9 + 0.32 * len(layers)
+    fig, axes = plt.subplots(len(_HEAT_METRICS), 1, figsize=(width, panel_h * 4 + 2.2),
+                             sharex=True, layout="constrained")
+    ylabels = ["output" if layer == 0 else f"L{layer}" for layer in layers]
+    annotate = len(layers) * len(columns) <= 240
+    for ax, (name, label, cmap, _) in zip(axes, _HEAT_METRICS):
+        data = grid[name]
+        im = ax.imshow(data, aspect="auto", cmap=cmap, interpolation="nearest")
+        fig.colorbar(im, ax=ax, label=label, pad=0.01, fraction=0.04)
+        ax.set_yticks(range(len(layers)), ylabels)
+        ax.set_ylabel("layer")
+        ax.set_title(label)
+        split = sum(1 for c in columns if c[0] == "forward")
+        if 0 < split < len(columns):
+            ax.axvline(split - 0.5, color="black", lw=2.5)
+        if annotate:
+            finite = data[np.isfinite(data)]
+            mid = (finite.min() + finite.max()) / 2 if finite.size else 0
+            for i in range(data.shape[0]):
+                for j in range(data.shape[1]):
+                    v = data[i, j]
+                    if np.isfinite(v):
+                        dark = (v < mid) if cmap in ("viridis",) else (v > mid)
+                        ax.text(j, i, f"{v:.2g}" if abs(v) < 100 else f"{v:.0f}",
+                                ha="center", va="center", fontsize=6.5,
+                                color="white" if dark else "black")
+    axes[-1].set_xticks(range(len(columns)),
+                        [f"{_label(op)} · {_column_label(m, t)}" for op, m, t in columns],
+                        rotation=60, ha="right", fontsize=8)
+    axes[-1].set_xlabel("quantized operand (forward | backward, separated by the black line)")
+    fig.suptitle(f"{quant_type}: quantization error per layer and operand", fontsize=12)
+    safe = quant_type.replace("/", "_")
+    return {"file": _save(fig, outdir, f"error_heatmap_{safe}.png"),
+            "title": f"Quantization error heat map: {quant_type}",
+            "caption": "Per layer (rows) and quantized operand (columns; forward operands left "
+                       "of the black line, backward right): SQNR in dB (higher is better), "
+                       "log10 of the mean squared error, and the percentages of elements "
+                       "saturated at the format's largest value and of nonzero elements "
+                       "flushed to zero. Blank: not captured or exact."}
+
+
+# -- MX scale exponents -----------------------------------------------------------------------
+
+def scale_exponents(groups, outdir: str, colors) -> Optional[dict]:
+    """Histogram of MX shared (E8M0) exponents per tensor class, per quant type and operation."""
+    merged = merge_by(groups, lambda k: (tensor_class(k.tensor_name), k.quant_type, k.format,
+                                         k.operation),
+                      lambda k: format_ranges(k.format).kind == "mx")
+    merged = {k: v for k, v in merged.items() if v.scale_hist is not None and v.scale_hist.any()}
+    if not merged:
+        return None
+    present = [c for c in _CLASSES if any(k[0] == c for k in merged)]
+    fig, axes = plt.subplots(1, len(present), figsize=(5.4 * len(present), 4.8), squeeze=False,
+                             layout="constrained")
+    exps = np.arange(SCALE_MIN, SCALE_MIN + 255)
+    handles = {}
+    for ax, cls in zip(axes.flat, present):
+        lo, hi = 127, -127
+        for (c, qt, fmt, op), s in merged.items():
+            if c != cls:
+                continue
+            h = s.scale_hist
+            nz = np.flatnonzero(h)
+            lo, hi = min(lo, exps[nz[0]]), max(hi, exps[nz[-1]])
+            ls = "-" if op == "forward" else "--"
+            label = f"{qt} {fmt} ({_label(op)})"
+            if s.nan_blocks:
+                label += f", {s.nan_blocks} NaN blocks"
+            line = ax.stairs(h / h.sum(), np.append(exps, exps[-1] + 1) - 0.5,
+                             color=colors[qt], lw=1.5, ls=ls, label=label)
+            handles.setdefault(label, line)
+        ax.set_xlim(lo - 2, hi + 2)
+        for limit in (-127, 127):
+            if lo - 2 <= limit <= hi + 2:
+                line = ax.axvline(limit, color="#c1121f", ls=":", lw=1,
+                                  label=f"E8M0 limit {limit:+d} (clamped)")
+                handles.setdefault(line.get_label(), line)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"{cls} operands")
+        ax.set_xlabel("shared block exponent e (scale = 2^e)")
+        ax.set_ylabel("fraction of blocks")
+        ax.grid(alpha=0.3, lw=0.5)
+    fig.legend(handles=list(handles.values()), loc="outside lower center",
+               ncol=min(3, len(handles)), fontsize=8, frameon=False)
+    fig.suptitle("MX shared-exponent (E8M0 scale) histograms", fontsize=12)
+    return {"file": _save(fig, outdir, "mx_scale_exponents.png"),
+            "title": "MX scale exponents",
+            "caption": "Distribution of the per-block shared exponents (unbiased E8M0) of MX "
+                       "operands, recomputed from the captured tensors with the run's scale "
+                       "rule; solid forward, dashed backward. A wide spread means a large "
+                       "dynamic range across blocks; mass at -127 means all-zero or tiny "
+                       "blocks."}
+
+
+# -- HiFP8 regions ----------------------------------------------------------------------------
+
+def hifp8_regions(groups, outdir: str) -> Optional[dict]:
+    """Stacked bars: share of values in each HiF8 precision region, per tensor class.
+
+    Rows: the HiF8-quantized operands of every HiFP8 quant type, then the same classes of one
+    reference quant type (bf16 if captured) as they would land if cast to HiF8 unscaled.
+    """
+    merged = merge_by(groups, lambda k: (k.quant_type, tensor_class(k.tensor_name), k.operation,
+                                         k.format == "hifp8"))
+    merged = {k: v for k, v in merged.items() if v.hist is not None and v.hist.any()}
+    hif8_qts = sorted({k[0] for k in merged if k[3]})
+    others = sorted({k[0] for k in merged if not k[3]} - set(hif8_qts))
+    reference = "bf16" if "bf16" in others else (others[0] if others else None)
+    rows = []
+    for (qt, cls, op, is_hif8), s in merged.items():
+        if is_hif8:
+            label = f"{qt} · {cls} ({_label(op)}) · HiF8 operands"
+        elif qt == reference:
+            label = f"{qt} · {cls} ({_label(op)}) · if cast to HiF8"
+        else:
+            continue
+        counts = sided_counts_from_hist(s.hist)
+        rows.append((label, counts / counts.sum(), is_hif8, _rank(cls, _CLASSES), op))
+    if not rows:
+        return None
+    rows.sort(key=lambda r: (not r[2], r[0].split(" · ")[0], r[3], r[4] != "forward"))
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.36 * len(rows)), layout="constrained")
+    y = np.arange(len(rows))
+    left = np.zeros(len(rows))
+    for i, (label, *_rest) in enumerate(SIDED_REGIONS):
+        share = np.array([r[1][i] for r in rows])
+        ax.barh(y, share * 100, left=left * 100, color=_REGION_COLORS[i], label=label,
+                edgecolor="white", lw=0.4)
+        for j, v in enumerate(share):
+            if v >= 0.06:
+                ax.text((left[j] + v / 2) * 100, j, f"{100 * v:.0f}%", ha="center",
+                        va="center", fontsize=7.5)
+        left += share
+    ax.set_yticks(y, [r[0] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of finite nonzero values [%]")
+    ax.legend(ncol=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    ax.set_title("HiF8 precision regions of captured values (no scaling)", pad=38)
+    return {"file": _save(fig, outdir, "hifp8_regions.png"),
+            "title": "HiF8 precision regions",
+            "caption": "Share of finite nonzero values in each region of HiF8's tapered "
+                       "format: 3-bit mantissa for |x| in [2^-3, 2^4), 2-bit and 1-bit further "
+                       "out on the small and large side, denormals [2^-23, 2^-15), underflow "
+                       "below 2^-23 and overflow from 40960. Rows marked 'if cast to HiF8' "
+                       "show a run that did not use HiF8, for comparison."}
+
+
+# -- forward vs backward ----------------------------------------------------------------------
+
+def forward_backward(groups, outdir: str, colors) -> Optional[dict]:
+    """SQNR and saturated/flushed shares of quantized operands per GEMM, per quant type."""
+    merged = merge_by(groups, lambda k: (k.quant_type, k.gemm or k.operation),
+                      lambda k: k.format != "none")
+    if not merged:
+        return None
+    qts = sorted({k[0] for k in merged})
+    gemms = [g for g in ("fprop", "dgrad", "wgrad") if any(k[1] == g for k in merged)]
+    gemms += sorted({k[1] for k in merged} - set(gemms))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), layout="constrained")
+    width = 0.8 / max(1, len(qts))
+    x = np.arange(len(gemms))
+    for i, qt in enumerate(qts):
+        vals = {name: [] for name in ("sqnr_db", "saturated_fraction", "flushed_fraction")}
+        for g in gemms:
+            q = (merged[(qt, g)].metrics()["quantization"] or {}) if (qt, g) in merged else {}
+            for name in vals:
+                v = q.get(name)
+                vals[name].append(np.nan if v is None or (isinstance(v, float)
+                                                          and math.isinf(v)) else v)
+        pos = x - 0.4 + width * (i + 0.5)
+        axes[0].bar(pos, vals["sqnr_db"], width, color=colors[qt], label=qt)
+        axes[1].bar(pos, 100 * np.array(vals["saturated_fraction"], float), width,
+                    color=colors[qt], label=qt)
+        axes[2].bar(pos, 100 * np.array(vals["flushed_fraction"], float), width,
+                    color=colors[qt], label=qt)
+    titles = ("SQNR of quantized operands [dB]", "saturated elements [%]",
+              "nonzero elements flushed to zero [%]")
+    gemm_names = {"fprop": "fprop (forward)", "dgrad": "dgrad (backward)",
+                  "wgrad": "wgrad (backward)"}
+    for ax, title in zip(axes, titles):
+        ax.set_xticks(x, [gemm_names.get(g, g) for g in gemms])
+        ax.set_title(title)
+        ax.set_xlabel("GEMM")
+        ax.grid(axis="y", alpha=0.3, lw=0.5)
+    axes[0].set_ylabel("dB")
+    axes[1].set_ylabel("% of finite elements")
+    axes[2].set_ylabel("% of nonzero elements")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Forward vs backward: quantization error per GEMM", fontsize=12)
+    return {"file": _save(fig, outdir, "forward_backward.png"),
+            "title": "Forward vs backward",
+            "caption": "Quantization error of the operands of the forward GEMM (fprop) and "
+                       "of the two backward GEMMs (dgrad: output gradient and weight; wgrad: "
+                       "input and output gradient, blocked along tokens), per quant type."}
+
+
+def forward_backward_layers(groups, outdir: str, colors) -> Optional[dict]:
+    """Per layer: SQNR of forward vs backward quantized operands, per quant type."""
+    merged = merge_by(groups, lambda k: (k.quant_type, k.operation, k.layer),
+                      lambda k: k.format != "none")
+    if not merged:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 4.4), layout="constrained")
+    for qt in sorted({k[0] for k in merged}):
+        for op, ls, marker in (("forward", "-", "o"), ("backward", "--", "s")):
+            pts = sorted((k[2], s.metrics()["quantization"]["sqnr_db"])
+                         for k, s in merged.items() if k[0] == qt and k[1] == op)
+            pts = [(l, v) for l, v in pts if v is not None and math.isfinite(v)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=marker,
+                        color=colors[qt], label=f"{qt} ({_label(op)})")
+    layers = sorted({k[2] for k in merged})
+    ax.set_xticks(layers, ["output" if l == 0 else f"L{l}" for l in layers])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("SQNR [dB]")
+    ax.grid(alpha=0.3, lw=0.5)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.set_title("SQNR of quantized operands per layer: forward vs backward")
+    return {"file": _save(fig, outdir, "forward_backward_layers.png"),
+            "title": "Forward vs backward per layer",
+            "caption": "SQNR of all quantized operands of each layer, forward (solid) and "
+                       "backward (dashed), per quant type."}
+
+
+# -- per-layer maxima -------------------------------------------------------------------------
+
+def layer_absmax(groups, outdir: str, colors) -> Optional[dict]:
+    """Largest |x| per layer and tensor class (outlier growth across depth)."""
+    merged = merge_by(groups, lambda k: (tensor_class(k.tensor_name), k.quant_type, k.layer))
+    present = [c for c in _CLASSES if any(k[0] == c for k in merged)]
+    if not present:
+        return None
+    fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 4.4), squeeze=False,
+                             layout="constrained")
+    handles = {}
+    for ax, cls in zip(axes.flat, present):
+        values = []
+        for qt in sorted({k[1] for k in merged if k[0] == cls}):
+            pts = sorted((k[2], s.absmax) for k, s in merged.items()
+                         if k[0] == cls and k[1] == qt and s.absmax > 0)
+            if pts:
+                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                                  color=colors[qt], label=qt)
+                handles.setdefault(qt, line)
+                values += [p[1] for p in pts]
+        layers = sorted({k[2] for k in merged if k[0] == cls})
+        ax.set_xticks(layers, ["out" if l == 0 else f"L{l}" for l in layers])
+        if values and max(values) / min(values) > 20:   # log only when it spans decades
+            ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("max |x|")
+        ax.set_title(f"{cls} tensors")
+        ax.grid(alpha=0.3, lw=0.5)
+    fig.legend(handles=list(handles.values()), loc="outside lower center",
+               ncol=min(len(handles), 5), fontsize=8, frameon=False)
+    fig.suptitle("Largest magnitude per layer", fontsize=12)
+    return {"file": _save(fig, outdir, "layer_absmax.png"),
+            "title": "Largest magnitude per layer",
+            "caption": "Maximum |x| over all captured iterations and micro-batches, per layer "
+                       "and tensor class: growing outliers are what saturates MX blocks and "
+                       "pushes HiF8 values into its 1-bit-mantissa binades."}
+
+
+# -- format overview --------------------------------------------------------------------------
+
+def format_overview(groups, outdir: str, colors) -> Optional[dict]:
+    """Headline: SQNR per quant type and format, forward and backward."""
+    merged = merge_by(groups, lambda k: (k.quant_type, k.format, k.operation),
+                      lambda k: k.format != "none")
+    if not merged:
+        return None
+    labels = sorted({(k[0], k[1]) for k in merged})
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(labels) + 3), 4.4), layout="constrained")
+    x = np.arange(len(labels))
+    for j, (op, hatch) in enumerate((("forward", None), ("backward", "//"))):
+        vals = []
+        for qt, fmt in labels:
+            s = merged.get((qt, fmt, op))
+            v = (s.metrics()["quantization"] or {}).get("sqnr_db") if s else None
+            vals.append(np.nan if v is None or math.isinf(v) else v)
+        bars = ax.bar(x - 0.2 + 0.4 * j, vals, 0.4, color=[colors[qt] for qt, _ in labels],
+                      hatch=hatch, edgecolor="black", lw=0.5, label=op)
+        for b, v in zip(bars, vals):
+            if np.isfinite(v):
+                ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center",
+                        va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"{qt}\n{fmt}" for qt, fmt in labels], fontsize=8)
+    ax.set_ylabel("SQNR [dB]")
+    ax.set_xlabel("quant type / element format")
+    ax.grid(axis="y", alpha=0.3, lw=0.5)
+    ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label="forward"),
+                       Patch(facecolor="white", edgecolor="black", hatch="//",
+                             label="backward")], fontsize=8)
+    ax.set_title("Signal-to-quantization-noise ratio per format (all quantized operands)")
+    return {"file": _save(fig, outdir, "format_overview.png"),
+            "title": "SQNR per format",
+            "caption": "SQNR = 10 log10(sum x^2 / sum (q - x)^2) over all quantized operands "
+                       "of each quant type and element format, forward (plain) and backward "
+                       "(hatched). Each 6 dB is one more effective bit."}
+
+
+# Figures in report order: (function, passes colours, per quant type).
+_FIGURES = (
+    ("format_overview", True, False), ("value_distributions", True, False),
+    ("absolute_distributions", True, False), ("error_heatmap", False, True),
+    ("scale_exponents", True, False), ("hifp8_regions", False, False),
+    ("forward_backward", True, False), ("forward_backward_layers", True, False),
+    ("layer_absmax", True, False),
+)
+_SHARED = {}   # the groups, inherited by forked figure workers instead of being pickled
+
+
+def _render(task):
+    name, arg = task
+    groups, outdir, colors = _SHARED["groups"], _SHARED["outdir"], _SHARED["colors"]
+    fn = globals()[name]
+    if name == "error_heatmap":
+        return fn(groups, outdir, arg)
+    return fn(groups, outdir, colors) if arg is True else fn(groups, outdir)
+
+
+def make_all(groups, outdir: str, quant_types: Sequence[str], workers: int = 1,
+             color_names: Optional[Sequence[str]] = None) -> List[dict]:
+    """Every capture figure, in report order (losses are drawn by losses.plot_losses).
+
+    Figures are independent, so with workers > 1 they are drawn in forked processes.
+    `color_names`: every name that gets a colour (quant types and loss runs), so one scheme
+    has the same colour in every figure.
+    """
+    from megatron.analysis import forking
+
+    os.makedirs(outdir, exist_ok=True)
+    _SHARED.update(groups=groups, outdir=outdir,
+                   colors=qt_colors(color_names or quant_types))
+    tasks = []
+    for name, with_colors, per_qt in _FIGURES:
+        if per_qt:
+            tasks.extend((name, qt) for qt in sorted(quant_types))
+        else:
+            tasks.append((name, with_colors))
+    try:
+        if workers > 1 and forking.fork_available():   # the groups reach children by fork
+            with forking.pool(workers) as pool:
+                figures = list(pool.map(_render, tasks))
+        else:
+            figures = [_render(task) for task in tasks]
+    finally:
+        _SHARED.clear()
+    return [f for f in figures if f is not None]

@@ -1,0 +1,239 @@
+"""Aggregation of per-group `Stats` into the statistics.json document and statistics.txt.
+
+The schema is documented in docs/analysis.md; `SCHEMA_VERSION` changes whenever a field
+changes meaning or disappears. Non-finite floats are written as the strings "inf", "-inf" and
+"nan" (as in capture manifests) so the file is strict JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from datetime import datetime
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from megatron.analysis.accumulators import Stats
+from megatron.analysis.binning import E_MAX, E_MIN, NBINS, SUB, bin_edges_log2
+from megatron.analysis.ranges import format_ranges
+from megatron.analysis.workers import KEY_FIELDS, GroupKey
+
+SCHEMA_VERSION = 1
+OPERATIONS = ("forward", "backward")
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+def merge_by(groups: Dict[GroupKey, Stats], project: Callable[[GroupKey], object],
+             where: Callable[[GroupKey], bool] = lambda k: True) -> "OrderedDict[object, Stats]":
+    """Merged Stats per value of `project(key)` over the groups selected by `where`."""
+    out: Dict[object, Stats] = {}
+    for key, stats in groups.items():
+        if not where(key):
+            continue
+        label = project(key)
+        if label not in out:
+            out[label] = Stats()
+        out[label].merge(stats)
+    return OrderedDict(sorted(out.items(), key=lambda kv: _sort_key(kv[0])))
+
+
+def _sort_key(label):
+    if isinstance(label, tuple):
+        return tuple(_sort_key(x) for x in label)
+    return (0, label, "") if isinstance(label, (int, float)) else (1, 0, str(label))
+
+
+def tensor_class(tensor_name: str) -> str:
+    """activation | weight | gradient, from the capture tensor name."""
+    if tensor_name.startswith("grad"):
+        return "gradient"
+    if tensor_name.startswith("weight"):
+        return "weight"
+    return "activation"
+
+
+def quant_types_of(groups: Dict[GroupKey, Stats]) -> List[str]:
+    return sorted({k.quant_type for k in groups})
+
+
+def _metrics_map(merged) -> Dict[str, dict]:
+    return {str(label): stats.metrics() for label, stats in merged.items()}
+
+
+def quant_type_section(groups: Dict[GroupKey, Stats], qt: str) -> dict:
+    """Aggregates of one quant type at the levels researchers compare."""
+    mine = {k: v for k, v in groups.items() if k.quant_type == qt}
+    quantized = lambda k: k.format != "none"  # noqa: E731
+    overall = merge_by(mine, lambda k: "all")
+    section = {
+        "overall": overall["all"].metrics() if overall else None,
+        "quantized": None,
+        "by_format": _metrics_map(merge_by(mine, lambda k: k.format)),
+        "by_operation": _metrics_map(merge_by(mine, lambda k: k.operation)),
+        "by_tensor_class": _metrics_map(merge_by(mine, lambda k: tensor_class(k.tensor_name))),
+        "by_tensor": _metrics_map(merge_by(mine, lambda k: k.tensor_name)),
+        "by_layer": _metrics_map(merge_by(mine, lambda k: k.layer)),
+        "quantized_by_gemm": _metrics_map(merge_by(mine, lambda k: k.gemm, quantized)),
+        "quantized_by_operation": _metrics_map(merge_by(mine, lambda k: k.operation, quantized)),
+    }
+    q_all = merge_by(mine, lambda k: "all", quantized)
+    if q_all:
+        section["quantized"] = q_all["all"].metrics()
+    return section
+
+
+def histogram_entries(groups: Dict[GroupKey, Stats]) -> List[dict]:
+    """Compact |x|, |q| and MX-scaled histograms per (quant type, format, operation)."""
+    edges = bin_edges_log2()
+    out = []
+    merged = merge_by(groups, lambda k: (k.quant_type, k.format, k.operation))
+    for (qt, fmt, op), stats in merged.items():
+        for kind, hist in (("abs", stats.hist), ("quantized_abs", stats.q_hist),
+                           ("mx_scaled_abs", stats.scaled_hist)):
+            if hist is None or not hist.any():
+                continue
+            nz = np.flatnonzero(hist)
+            lo, hi = int(nz[0]), int(nz[-1]) + 1
+            out.append({"quant_type": qt, "format": fmt, "operation": op, "kind": kind,
+                        "first_bin": lo, "first_edge_log2": float(edges[lo]),
+                        "counts": [int(c) for c in hist[lo:hi]]})
+    return out
+
+
+def consistency_section(rows: List[dict]) -> dict:
+    # Quantized records summarised from their tensors, whose manifest carried quant_error.
+    checked = [r for r in rows if r.get("from_tensors") and r.get("mse") is not None]
+    bad = [r for r in rows if r.get("writer_mismatch")]
+    return {
+        "records_checked": len(checked),
+        "records_mismatched": len(bad),
+        "examples": [{"file": r.get("file"), "fields": r["writer_mismatch"]} for r in bad[:10]],
+    }
+
+
+def build(result, captures, problems, inputs: dict, losses: Optional[dict] = None,
+          figures: Optional[List[dict]] = None, timing: Optional[dict] = None) -> dict:
+    """The statistics.json document (see docs/analysis.md)."""
+    groups = result.groups
+    qts = quant_types_of(groups)
+    formats = sorted({k.format for k in groups})
+    doc = OrderedDict()
+    doc["schema_version"] = SCHEMA_VERSION
+    doc["generated_at"] = datetime.now().isoformat(timespec="seconds")
+    doc["inputs"] = inputs
+    doc["histogram_layout"] = {
+        "bins_per_binade": SUB, "e_min": E_MIN, "e_max": E_MAX, "bins": NBINS,
+        "bin": "bin i = (E - e_min) * 4 + k holds |x| in [2^E (1 + k/4), 2^E (1 + (k+1)/4))",
+    }
+    doc["formats"] = {f: _format_dict(f) for f in formats}
+    doc["quant_types"] = OrderedDict()
+    for qt in qts:
+        section = OrderedDict()
+        section["capture"] = _capture_summary(qt, captures, result)
+        section.update(quant_type_section(groups, qt))
+        doc["quant_types"][qt] = section
+    doc["format_comparison"] = format_comparison(groups)
+    doc["groups"] = [dict(zip(KEY_FIELDS, key), metrics=stats.metrics())
+                     for key, stats in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))]
+    doc["histograms"] = histogram_entries(groups)
+    doc["losses"] = losses
+    doc["consistency"] = consistency_section(result.rows)
+    doc["problems"] = list(problems.items)
+    doc["figures"] = figures or []
+    doc["timing"] = timing or {}
+    return doc
+
+
+def format_comparison(groups: Dict[GroupKey, Stats]) -> List[dict]:
+    """One row per (quant type, format, operation) of quantized operands: the headline table."""
+    rows = []
+    merged = merge_by(groups, lambda k: (k.quant_type, k.format, k.operation),
+                      lambda k: k.format != "none")
+    for (qt, fmt, op), stats in merged.items():
+        m = stats.metrics()
+        q = m["quantization"] or {}
+        rows.append({"quant_type": qt, "format": fmt, "operation": op,
+                     "records": m["records"], "elements": m["elements"],
+                     "sqnr_db": q.get("sqnr_db"), "mse": q.get("mse"),
+                     "relative_error": q.get("relative_error"),
+                     "saturated_fraction": q.get("saturated_fraction"),
+                     "flushed_fraction": q.get("flushed_fraction"),
+                     "nonfinite_fraction": q.get("nonfinite_fraction")})
+    return rows
+
+
+def _format_dict(name: str) -> dict:
+    r = format_ranges(name)
+    return {"kind": r.kind, "block_size": r.block_size, "emax_elem": r.emax_elem,
+            "max_normal": r.max_normal, "min_normal": r.min_normal,
+            "min_subnormal": r.min_subnormal, "mantissa_bits": r.mantissa_bits}
+
+
+def _capture_summary(qt: str, captures, result) -> dict:
+    mine = [c for c in captures if c.quant_type == qt]
+    runs = []
+    for capture in mine:
+        for run in capture.runs:
+            runs.append({k: run.get(k) for k in ("run_id", "mode", "control_iter",
+                                                  "collect_micro_batches", "world_size",
+                                                  "start_time", "quant_config")})
+    summaries = [s for c in mine for s in c.summaries]
+    return {
+        "directories": [c.directory for c in mine],
+        "runs": runs,
+        "manifest_records": sum(len(c.entries) for c in mine),
+        "analysed_records": sum(1 for r in result.rows if r["quant_type"] == qt),
+        "writer_summaries": {
+            "ranks": len(summaries),
+            "records": sum(int(s.get("records") or 0) for s in summaries),
+            "bytes": sum(int(s.get("bytes") or 0) for s in summaries),
+            "dropped": sum(int(s.get("dropped") or 0) for s in summaries),
+            "stall_seconds": sum(float(s.get("stall_seconds") or 0.0) for s in summaries),
+            "errors": [s["error"] for s in summaries if s.get("error")],
+        },
+    }
+
+
+# -- serialisation ----------------------------------------------------------------------------
+
+def json_safe(value):
+    """Non-finite floats as strings, numpy scalars as Python numbers, tuples as lists."""
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: str, doc: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(json_safe(doc), f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
+def load_json(path: str) -> dict:
+    """statistics.json with the non-finite strings turned back into floats."""
+    with open(path, "r", encoding="utf-8") as f:
+        doc = json.load(f)
+    return _restore(doc)
+
+
+def _restore(value):
+    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _restore(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_restore(v) for v in value]
+    return value

@@ -1,0 +1,139 @@
+"""Bad input: the analysis reports a clear problem and still produces what is valid."""
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron.analysis import synthetic
+from megatron.analysis.cli import main
+from megatron.analysis.statistics import load_json
+
+ARGS = ["--no-figures", "--no-progress", "--workers", "1", "--log-level", "WARNING"]
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory):
+    root = tmp_path_factory.mktemp("capture")
+    synthetic.write_capture(str(root), ("bf16", "FA_linear_mxfp8"), layers=1, seq=8,
+                            hidden=64, ffn=64, attention=False)
+    return str(root)
+
+
+def _copy(capture, tmp_path):
+    dest = str(tmp_path / "capture")
+    shutil.copytree(capture, dest)
+    return dest
+
+
+def _manifest(directory):
+    return os.path.join(directory, next(f for f in os.listdir(directory)
+                                        if f.startswith("manifest-")))
+
+
+def _run(tmp_path, *args):
+    out = str(tmp_path / "out")
+    code = main(list(args) + ["--output-dir", out] + ARGS)
+    doc = load_json(os.path.join(out, "statistics.json")) if code == 0 else None
+    return code, doc, out
+
+
+def _kinds(doc):
+    return [p["kind"] for p in doc["problems"]]
+
+
+def test_truncated_manifest_line_is_skipped_with_a_warning(capture, tmp_path, caplog):
+    root = _copy(capture, tmp_path)
+    manifest = _manifest(os.path.join(root, "FA_linear_mxfp8"))
+    with open(manifest) as f:
+        lines = f.readlines()
+    with open(manifest, "a") as f:       # a run killed while appending its next line
+        f.write(lines[-1][: len(lines[-1]) // 2])
+    with caplog.at_level(logging.WARNING, logger="megatron.analysis"):
+        code, doc, out = _run(tmp_path, "--tensor-dir", root)
+    assert code == 0
+    assert _kinds(doc) == ["truncated_manifest_line"]
+    assert "manifest line" in doc["problems"][0]["message"]
+    assert any("manifest line" in r.getMessage() for r in caplog.records)
+    sec = doc["quant_types"]["FA_linear_mxfp8"]
+    assert sec["capture"]["manifest_records"] == len(lines)
+    assert sec["overall"]["records"] == len(lines)
+    assert "manifest line" in open(os.path.join(out, "report.html")).read()
+
+
+def test_unknown_format_versions_are_skipped(capture, tmp_path):
+    root = _copy(capture, tmp_path)
+    directory = os.path.join(root, "FA_linear_mxfp8")
+    manifest = _manifest(directory)
+    lines = open(manifest).read().splitlines()
+    first = json.loads(lines[0])
+    first["format_version"] = 99
+    lines[0] = json.dumps(first)
+    open(manifest, "w").write("\n".join(lines) + "\n")
+    # A record file of an unknown version behind a valid manifest line.
+    second = json.loads(lines[1])
+    path = os.path.join(directory, second["file"])
+    record = torch.load(path, weights_only=True)
+    record["format_version"] = 7
+    torch.save(record, path)
+    code, doc, _ = _run(tmp_path, "--tensor-dir", root)
+    assert code == 0
+    assert sorted(_kinds(doc)) == ["bad_record", "unknown_format_version"]
+    messages = " ".join(p["message"] for p in doc["problems"])
+    assert "format_version 99" in messages and "format_version 7" in messages
+    assert doc["quant_types"]["FA_linear_mxfp8"]["overall"]["records"] == len(lines) - 2
+
+
+def test_empty_or_missing_directory_is_a_one_line_error(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for target in (str(empty), str(tmp_path / "missing")):
+        code = main(["--tensor-dir", target, "--output-dir", str(tmp_path / "out")] + ARGS)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1
+        assert len(err) == 1 and err[0].startswith("error: nothing could be analysed")
+        assert target in err[0]
+    assert not (tmp_path / "out" / "report.html").exists()
+
+
+def test_missing_directory_next_to_a_valid_one(capture, tmp_path):
+    code, doc, out = _run(tmp_path, "--tensor-dir", capture, str(tmp_path / "nope"))
+    assert code == 0
+    assert _kinds(doc) == ["missing_directory"]
+    assert os.path.exists(os.path.join(out, "report.html"))
+
+
+def test_requested_quant_type_without_data(capture, tmp_path):
+    code, doc, _ = _run(tmp_path, "--tensor-dir", capture, "--quant-types", "bf16",
+                        "linear_hifp8")
+    assert code == 0
+    assert list(doc["quant_types"]) == ["bf16"]
+    assert _kinds(doc) == ["quant_type_without_data"]
+    assert "linear_hifp8" in doc["problems"][0]["message"]
+
+
+def test_missing_record_file_and_stats_mode_lines(capture, tmp_path):
+    root = _copy(capture, tmp_path)
+    directory = os.path.join(root, "FA_linear_mxfp8")
+    manifest = _manifest(directory)
+    lines = [json.loads(line) for line in open(manifest)]
+    os.remove(os.path.join(directory, lines[0]["file"]))      # deleted by hand
+    for entry in lines[1:4]:                                    # stats-mode lines
+        entry["file"] = None
+    open(manifest, "w").write("".join(json.dumps(e) + "\n" for e in lines))
+    code, doc, _ = _run(tmp_path, "--tensor-dir", root)
+    assert code == 0
+    assert _kinds(doc) == ["unreadable_record"]
+    overall = doc["quant_types"]["FA_linear_mxfp8"]["overall"]
+    assert overall["records"] == len(lines) - 1
+    assert overall["records_with_tensors"] == len(lines) - 4
+
+
+def test_filters(capture, tmp_path):
+    code, doc, _ = _run(tmp_path, "--tensor-dir", capture, "--operations", "forward",
+                        "--layers", "1", "--iterations", "1")
+    assert code == 0
+    assert {g["operation"] for g in doc["groups"]} == {"forward"}

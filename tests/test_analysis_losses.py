@@ -1,0 +1,108 @@
+"""Loss curves from training logs and TensorBoard event files, and their gaps to bf16."""
+
+import os
+
+import pytest
+
+from megatron.analysis import losses
+from megatron.analysis.cli import main
+from megatron.analysis.statistics import load_json
+
+# Verbatim shape of the training loop's output (megatron/training/training.py), including a
+# resumed run that logs iteration 2 again and a validation block framed by dashes.
+LOG_BF16 = """\
+[2026-11-22 05:19:40] training from iteration 0 to 5 (1 micro-batches of 4 per data-parallel rank, DP=1)
+ [2026-11-22 05:19:44] iteration        1/       5 | consumed samples:            4 | elapsed time per iteration (ms): 1425.8 | throughput (tokens/s): 179.5 | learning rate: 1.500000E-03 | global batch size:     4 | lm loss: 7.008086E+00 | grad norm: 3.240 | number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-11-22 05:19:45] iteration        2/       5 | consumed samples:            8 | elapsed time per iteration (ms): 410.2 | throughput (tokens/s): 624.1 | learning rate: 3.000000E-03 | global batch size:     4 | lm loss: 6.950000E+00 | grad norm: 2.900 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[2026-11-22 05:19:46] resuming: loaded checkpoint (iteration 1)
+ [2026-11-22 05:19:47] iteration        2/       5 | consumed samples:            8 | elapsed time per iteration (ms): 400.0 | throughput (tokens/s): 640.0 | learning rate: 3.000000E-03 | global batch size:     4 | lm loss: 6.940000E+00 | grad norm: 2.800 | number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-11-22 05:19:48] iteration        3/       5 | consumed samples:           12 | elapsed time per iteration (ms): 401.0 | throughput (tokens/s): 638.0 | learning rate: 2.700000E-03 | global batch size:     4 | lm loss: 6.900000E+00 | grad norm: 2.500 | number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-11-22 05:19:49] iteration        4/       5 | consumed samples:           16 | elapsed time per iteration (ms): 399.0 | throughput (tokens/s): 641.0 | learning rate: 2.000000E-03 | global batch size:     4 | lm loss: 6.850000E+00 | grad norm: 2.200 | number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-11-22 05:19:50] iteration        5/       5 | consumed samples:           20 | elapsed time per iteration (ms): 398.0 | throughput (tokens/s): 643.0 | learning rate: 1.000000E-03 | global batch size:     4 | lm loss: 6.800000E+00 | grad norm: 2.000 | number of skipped iterations:   0 | number of nan iterations:   0 |
+---------------------------------------------------------------------------------------------
+ validation loss at iteration 5 | lm loss value: 6.790351E+00 | lm loss PPL: 8.886455E+02 |
+---------------------------------------------------------------------------------------------
+"""
+
+
+def _scaled_log(factor):
+    """The same run with every loss multiplied by `factor` (another scheme)."""
+    out = []
+    for line in LOG_BF16.splitlines():
+        for key in ("lm loss: ", "lm loss value: "):
+            if key in line:
+                head, tail = line.split(key, 1)
+                value, rest = tail.split(" ", 1)
+                line = f"{head}{key}{float(value) * factor:.6E} {rest}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def test_parse_real_log_text():
+    curve = losses.parse_log_text(LOG_BF16, "bf16")
+    assert curve.train == {1: 7.008086, 2: 6.94, 3: 6.9, 4: 6.85, 5: 6.8}   # resumed 2 wins
+    assert curve.valid == {5: 6.790351}
+
+
+def test_tensorboard_event_files(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    for name, factor in (("bf16", 1.0), ("FA_linear_mxfp4", 1.02)):
+        writer = SummaryWriter(log_dir=str(tmp_path / name))
+        for it, value in losses.parse_log_text(LOG_BF16).train.items():
+            writer.add_scalar("lm loss", value * factor, it)
+            writer.add_scalar("learning-rate", 1e-3, it)
+        writer.add_scalar("lm loss validation", 6.790351 * factor, 5)
+        writer.close()
+    curves = losses.load_curves([], [str(tmp_path)], problems=_Problems())
+    by_name = {c.name: c for c in curves}
+    assert set(by_name) == {"bf16", "FA_linear_mxfp4"}
+    assert by_name["FA_linear_mxfp4"].train[5] == pytest.approx(6.8 * 1.02, rel=1e-6)
+    assert by_name["bf16"].valid == {5: pytest.approx(6.790351, rel=1e-6)}
+    table = {r["run"]: r for r in losses.loss_table(curves, "bf16")["table"]}
+    assert table["FA_linear_mxfp4"]["gap_to_baseline"] == pytest.approx(6.8 * 0.02, rel=1e-5)
+    assert table["FA_linear_mxfp4"]["relative_gap_to_baseline"] == pytest.approx(0.02, rel=1e-4)
+    assert table["bf16"]["gap_to_baseline"] == 0.0
+
+
+class _Problems:
+    def __init__(self):
+        self.items = []
+
+    def add(self, kind, message, level="warning"):
+        self.items.append({"kind": kind, "message": message})
+
+
+def test_cli_with_loss_logs_only(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "bf16.log").write_text(LOG_BF16)
+    (logs / "FA_linear_mxfp8.log").write_text(_scaled_log(1.001))
+    extra = tmp_path / "hifp8_run.txt"
+    extra.write_text(_scaled_log(1.01))
+    out = tmp_path / "out"
+    code = main(["--loss-dir", str(logs), "--loss-logs", f"FA_linear_hifp8={extra}",
+                 "--output-dir", str(out), "--no-progress", "--log-level", "WARNING"])
+    assert code == 0
+    doc = load_json(os.path.join(out, "statistics.json"))
+    table = {r["run"]: r for r in doc["losses"]["table"]}
+    assert set(table) == {"bf16", "FA_linear_mxfp8", "FA_linear_hifp8"}
+    assert doc["losses"]["baseline"] == "bf16"
+    assert table["FA_linear_mxfp8"]["final_loss"] == pytest.approx(6.8 * 1.001, rel=1e-6)
+    assert table["FA_linear_mxfp8"]["gap_to_baseline"] == pytest.approx(6.8 * 0.001, rel=1e-4)
+    assert table["FA_linear_hifp8"]["validation_gap_to_baseline"] == pytest.approx(
+        6.790351 * 0.01, rel=1e-4)
+    assert table["FA_linear_hifp8"]["compared_at_iteration"] == 5
+    assert os.path.exists(out / "figures" / "loss_curves.png")
+    html = (out / "report.html").read_text()
+    assert "Final loss and gap to bf16" in html and "FA_linear_hifp8" in html
+    assert "Final loss (baseline bf16)" in (out / "statistics.txt").read_text()
+
+
+def test_unreadable_loss_sources(tmp_path, capsys):
+    empty = tmp_path / "empty.log"
+    empty.write_text("no losses here\n")
+    code = main(["--loss-logs", f"x={empty}", f"y={tmp_path / 'missing.log'}",
+                 "--output-dir", str(tmp_path / "out"), "--log-level", "ERROR"])
+    assert code == 1
+    assert capsys.readouterr().err.count("\n") == 1
