@@ -51,7 +51,7 @@ class TestArguments:
         (["--collect-micro-batches", "0"], {}, r"--collect-micro-batches 0 is invalid"),
         (["--tensor-save-mode", "fast"], {}, r"--tensor-save-mode 'fast' is invalid; valid: "
                                              r"full, stats"),
-        (["--tensor-save-layers", "9"], {}, r"layer 9 is out of range; valid: 0 \(output "
+        (["--tensor-save-layers", "9"], {}, r"layer 9 is out of range for 2 layers; valid: 0 \(output "
                                             r"layer\), 1..2"),
         (["--tensor-save-layers", "x"], {}, r"'x' is not a layer number or range"),
         (["--tensor-save-filter", "("], {}, r"--tensor-save-filter '\(' is not a valid regular"),

@@ -79,7 +79,7 @@ def main(argv=None):
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
         "--global-batch-size", str(args.global_batch_size), "--lr", "3e-3", "--min-lr", "3e-4",
         "--lr-warmup-iters", "3", "--lr-decay-style", "cosine",
-        "--lr-decay-iters", str(args.train_iters), "--log-interval", "5",
+        "--lr-decay-iters", str(args.train_iters), "--log-interval", "2",
         "--eval-interval", str(args.train_iters), "--eval-iters", "2", "--num-workers", "0",
         "--data-cache-path", os.path.join(out, "data-cache"),
     ]
@@ -97,7 +97,10 @@ def main(argv=None):
         run_logged(common + ["--quant-scheme", scheme, "--train-iters",
                              str(args.train_iters + 1), "--load", ckpt, "--save-tensors",
                              "--tensor-save-dir", tensors, "--control-iter", "1",
-                             "--collect-micro-batches", "1"],
+                             "--collect-micro-batches", "1",
+                             # the transformer layers; the 128256-wide output layer would
+                             # multiply the capture size for little insight
+                             "--tensor-save-layers", "1-4"],
                    os.path.join(logs, f"{scheme}-capture.log"))
         print(f"[demo] {scheme}: done in {time.time() - t0:.0f} s", flush=True)
 

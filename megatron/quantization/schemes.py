@@ -21,12 +21,12 @@ gradients in their own format. --no-quant-backward keeps dgrad and wgrad in high
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import FrozenSet, Optional, Sequence
 
 from megatron.quantization.formats import canonical_format
 from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats
+from megatron.training import layer_lists
 
 ELEMENT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
 SCHEMES = ("bf16",) + tuple(
@@ -144,29 +144,12 @@ class QuantConfig:
         return "\n".join(lines)
 
 
-_LAYER_ITEM = re.compile(r"^(-?\d+)(?:-(-?\d+))?$")
-
-
 def parse_layer_list(items: Sequence[str], num_layers: int) -> FrozenSet[int]:
-    """'1', '-1' (last), '2-4' (range), comma-separated or as separate items -> 1-based
-    layer numbers; errors name the bad item."""
-    layers = set()
-    for part in (p.strip() for item in items for p in str(item).split(",")):
-        if not part:
-            continue
-        match = _LAYER_ITEM.match(part)
-        if match is None:
-            raise SchemeError(f"layer {part!r} is not a layer number or range like '2-4' "
-                              "(negative numbers count from the last layer)")
-        lo = int(match.group(1))
-        hi = int(match.group(2)) if match.group(2) is not None else lo
-        for n in (lo, hi):
-            if not (1 <= n <= num_layers or -num_layers <= n <= -1):
-                raise SchemeError(f"layer {n} is out of range for {num_layers} layers "
-                                  f"(valid: 1..{num_layers} or -{num_layers}..-1)")
-        resolve = lambda n: n + num_layers + 1 if n < 0 else n  # noqa: E731
-        layers.update(range(resolve(lo), resolve(hi) + 1))
-    return frozenset(layers)
+    """--quant-skip-layers: '1', '-1' (last), '2-4' -> 1-based layer numbers."""
+    try:
+        return layer_lists.parse_layer_list(items, num_layers, "--quant-skip-layers")
+    except ValueError as exc:
+        raise SchemeError(str(exc)) from None
 
 
 def build_quant_config(scheme: str, num_layers: int, linear_quant: Optional[str] = None,

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import FrozenSet, Iterable, Optional, Pattern, Tuple
 
+from megatron.training.layer_lists import parse_layer_list
+
 from megatron.tensor_capture.naming import REQUANT, RESULT, Role, tensor_names
 
 COMPONENTS = ("attention", "linear")
@@ -108,38 +110,16 @@ def parse_kinds(items: Optional[Iterable[str]]) -> KindSelection:
     return KindSelection(frozenset(names), frozenset(quantized))
 
 
-_LAYER_ITEM = re.compile(r"^(-?\d+)(?:-(-?\d+))?$")
-
-
 def parse_layers(items: Optional[Iterable[str]], num_layers: int) -> Optional[FrozenSet[int]]:
     """--tensor-save-layers: '3', '2-4', '-1' (last layer), '0' (the output layer), comma- or
     space-separated; None (no flag) means every layer."""
     if items is None:
         return None
-    layers = set()
-    for part in (p.strip() for item in items for p in str(item).split(",")):
-        if not part:
-            continue
-        match = _LAYER_ITEM.match(part)
-        if match is None:
-            raise ValueError(f"--tensor-save-layers {part!r} is not a layer number or range; "
-                             f"valid: 0 (output layer), 1..{num_layers}, -{num_layers}..-1 "
-                             "(from the last layer), ranges like 1-2")
-        lo = int(match.group(1))
-        hi = int(match.group(2)) if match.group(2) is not None else lo
-        for n in (lo, hi):
-            if not (0 <= n <= num_layers or -num_layers <= n <= -1):
-                raise ValueError(f"--tensor-save-layers {part!r}: layer {n} is out of range; "
-                                 f"valid: 0 (output layer), 1..{num_layers}, "
-                                 f"-{num_layers}..-1")
-        lo, hi = (n + num_layers + 1 if n < 0 else n for n in (lo, hi))
-        if hi < lo:
-            raise ValueError(f"--tensor-save-layers {part!r}: empty range; write it as {hi}-{lo}")
-        layers.update(range(lo, hi + 1))
+    layers = parse_layer_list(items, num_layers, "--tensor-save-layers", allow_output_layer=True)
     if not layers:
         raise ValueError("--tensor-save-layers needs at least one layer (0 = output layer, "
                          f"1..{num_layers})")
-    return frozenset(layers)
+    return layers
 
 
 def parse_filter(pattern: Optional[str]) -> Optional[Pattern]:

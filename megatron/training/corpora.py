@@ -37,7 +37,6 @@ import email
 import email.policy
 import fcntl
 import functools
-import hashlib
 import html.parser
 import importlib.util
 import json
@@ -496,20 +495,12 @@ def write_jsonl(docs: Sequence[Dict[str, str]], path: Path) -> int:
     return path.stat().st_size
 
 
-def _sha256(path: os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def build_into(out_dir: Path, name: str, source_names: Sequence[str], workers: int = 1,
                mail_dir: Optional[os.PathLike] = None, log: Callable[[str], None] = print,
                description: str = "") -> Dict:
     """Build {out_dir}/{name}.jsonl, {name}_text_document.{bin,idx} and sources.json from the
     given sources (no locking or renaming); returns the sources.json content."""
-    from megatron.training.tokenizer import Llama3Tokenizer
+    from megatron.training.tokenizer import Llama3Tokenizer, file_sha256
 
     start = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -544,7 +535,7 @@ def build_into(out_dir: Path, name: str, source_names: Sequence[str], workers: i
                       "llama_models/llama3/tokenizer.model", "sha256": tokenizer.sha256,
                       "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
                       "append_eod": True},
-        "files_sha256": {os.path.basename(prefix + ext): _sha256(prefix + ext)
+        "files_sha256": {os.path.basename(prefix + ext): file_sha256(prefix + ext)
                          for ext in (".bin", ".idx")},
         "LICENSES": ("Each document keeps its source's license: "
                      + " ".join(LICENSES[k] for k in sorted({_license_key(s["name"])
