@@ -155,6 +155,11 @@ train_command() {  # train_command SCHEME[,SCHEME...] [train_config.py flags] ->
 # One check of the whole configuration before anything starts: train_config.py validates every
 # name against the experiment matrix (and, unless this is a dry run, that the data exists) and
 # prints one command per scheme, from which the canonical scheme names are read.
+# Usage errors first, before any data or environment check.
+if [[ $MODE != batch && ( ${#QUANT_TYPES[@]} -gt 1 || ${QUANT_TYPES[0]:-} == *,* ||
+      ${QUANT_TYPES[0]:-} == all ) ]]; then
+    die "mode $MODE collects one quant type, got ${QUANT_TYPES[*]}; use batch"
+fi
 ERR_FILE=$(mktemp)
 trap 'rm -f "$ERR_FILE"' EXIT
 train_command "$(IFS=,; echo "${QUANT_TYPES[*]}")" "$([[ $DRY_RUN == 1 ]] && echo --dry-run || echo --check)"

@@ -47,7 +47,10 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         kwargs[field_name] = getattr(args, arg_name)
     kwargs["params_dtype"] = _torch_dtype(args)
     kwargs["pipeline_dtype"] = kwargs["params_dtype"]
-    kwargs["use_cpu_initialization"] = True  # identical weights for any TP size, and no CUDA
+    # On a CPU, initialise full weights and split them (identical weights for any TP size).
+    # On GPUs each rank initialises its own shard on the device: full-size host copies of an 8B
+    # model on every rank would exhaust host memory.
+    kwargs["use_cpu_initialization"] = not torch.cuda.is_available()
     kwargs["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
     kwargs["calculate_per_token_loss"] = True
     if args.swiglu:
