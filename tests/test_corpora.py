@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy
 import pytest
 
-from megatron.training import corpora
+from megatron.training import build_corpus, corpora
 from megatron.training.tokenizer import LLAMA3_SHA256, Llama3Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,20 +270,34 @@ def test_loads_through_megatron_gpt_dataset(built, tokenizer, tmp_path):
             assert at >= 0
 
 
-def test_build_corpus_cli(built, capsys):
+def test_default_data_root_is_relative_to_the_working_directory(tmp_path, monkeypatch):
+    assert corpora.DEFAULT_DATA_ROOT == Path("data")
+    monkeypatch.chdir(tmp_path)
+    assert corpora.embedded_data_prefix("wikipedia") == "data/wikipedia/wikipedia_text_document"
+    assert not corpora.dataset_is_built("wikipedia")
+
+
+def test_build_corpus_cli(built, capsys, tmp_path, monkeypatch):
     root, _, _ = built
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import build_corpus
-    finally:
-        sys.path.remove(str(REPO / "tools"))
     assert build_corpus.main(["--dataset", "all", "--data-root", str(root)]) == 0
     out = capsys.readouterr().out
     assert "'wikipedia' is already built" in out
     for name in corpora.EMBEDDED_DATASETS:
         assert f"--data-path {corpora.embedded_data_prefix(name, root)}" in out
-    proc = subprocess.run([sys.executable, "tools/build_corpus.py", "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+
+    def fails(name, *args, **kwargs):
+        raise corpora.CorpusError(f"cannot build {name}")
+
+    monkeypatch.setattr(corpora, "build_embedded_dataset", fails)
+    assert build_corpus.main(["--dataset", "dolma", "--data-root", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: cannot build dolma\n"
+
+
+def test_build_corpus_tools_wrapper(tmp_path):
+    # Run by absolute path from outside the checkout: the wrapper finds the package itself.
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "build_corpus.py"), "--help"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     for flag in ("--dataset", "--data-root", "--workers", "--force", "--mail-dir"):
         assert flag in proc.stdout
+    assert "(default: data, relative to the working directory)" in " ".join(proc.stdout.split())

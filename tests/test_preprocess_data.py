@@ -1,7 +1,7 @@
-"""tools/preprocess_data.py: JSON lines -> Megatron .bin/.idx, read back with megatron.core."""
+"""megatron.training.preprocess_data (and its tools/ wrapper): JSON lines -> Megatron .bin/.idx,
+read back with megatron.core."""
 
 import gzip
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy
 import pytest
 
+from megatron.training import preprocess_data
 from megatron.training.tokenizer import Llama3Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,18 +25,6 @@ DOCS = [
     {"text": "<|end_of_text|> is plain text here", "id": 6},
 ]
 NONEMPTY = [d["text"] for d in DOCS if d["text"].strip()]
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("preprocess_data_under_test",
-                                                  REPO / "tools" / "preprocess_data.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
 
 
 def _indexed_dataset(prefix):
@@ -60,7 +49,8 @@ def _write_jsonl(path, docs, blank_line_after=0):
 
 def _run(tmp_path, input_path, name, *extra):
     prefix = tmp_path / name
-    rc = tool.main(["--input", str(input_path), "--output-prefix", str(prefix), *extra])
+    rc = preprocess_data.main(["--input", str(input_path), "--output-prefix", str(prefix),
+                               *extra])
     return rc, f"{prefix}_text_document"
 
 
@@ -130,9 +120,10 @@ def test_skip_bad_lines_counts_them(tmp_path, capsys):
 def test_missing_key_error_names_key(tmp_path):
     src = tmp_path / "k.jsonl"
     src.write_text('{"body": "text"}\n')
-    with pytest.raises(tool.PreprocessError, match=r"k.jsonl:1: missing key 'text' \(keys: body\)"):
-        tool.preprocess(str(src), str(tmp_path / "k"), {"tokenizer_type": "Llama3Tokenizer"},
-                        log=lambda m: None)
+    with pytest.raises(preprocess_data.PreprocessError,
+                       match=r"k.jsonl:1: missing key 'text' \(keys: body\)"):
+        preprocess_data.preprocess(str(src), str(tmp_path / "k"),
+                                   {"tokenizer_type": "Llama3Tokenizer"}, log=lambda m: None)
 
 
 def test_missing_input_is_one_line_error(tmp_path, capsys):
@@ -147,9 +138,9 @@ def test_multiple_keys_and_null_tokenizer(tmp_path):
     src = tmp_path / "ids.jsonl"
     src.write_text('{"text": "1 2 3", "other": "7 8"}\n{"text": "4", "other": ""}\n')
     prefix = tmp_path / "ids"
-    rc = tool.main(["--input", str(src), "--output-prefix", str(prefix), "--json-keys", "text",
-                    "other", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-                    "--append-eod"])
+    rc = preprocess_data.main(["--input", str(src), "--output-prefix", str(prefix),
+                               "--json-keys", "text", "other", "--tokenizer-type", "NullTokenizer",
+                               "--vocab-size", "1000", "--append-eod"])
     assert rc == 0
     text = _indexed_dataset(f"{prefix}_text_document")
     other = _indexed_dataset(f"{prefix}_other_document")
@@ -170,10 +161,25 @@ def test_failure_keeps_previous_outputs_and_removes_temp_files(tmp_path):
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
-def test_script_runs_from_repo_root():
-    proc = subprocess.run([sys.executable, "tools/preprocess_data.py", "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+def test_help_lists_the_flags():
+    text = preprocess_data.build_parser().format_help()
     for flag in ("--input", "--output-prefix", "--json-keys", "--append-eod", "--workers",
                  "--log-interval", "--tokenizer-type", "--tokenizer-model", "--vocab-size"):
-        assert flag in proc.stdout
+        assert flag in text
+
+
+def test_tools_wrapper_runs_from_any_directory(tmp_path):
+    # The wrapper finds the package itself: run it by absolute path from outside the checkout.
+    script = str(REPO / "tools" / "preprocess_data.py")
+    (tmp_path / "ids.jsonl").write_text('{"text": "1 2 3"}\n')
+    proc = subprocess.run([sys.executable, script, "--input", "ids.jsonl", "--output-prefix",
+                           "out/ids", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ds = _indexed_dataset(str(tmp_path / "out" / "ids_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3]]
+    proc = subprocess.run([sys.executable, script, "--input", "absent.jsonl", "--output-prefix",
+                           "x"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2  # main()'s exit code reaches the shell
+    assert proc.stderr.strip().endswith("error: --input absent.jsonl: file not found; pass an "
+                                        "existing JSON-lines file (.jsonl or .jsonl.gz)")

