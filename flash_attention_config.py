@@ -7,7 +7,8 @@
 
 --fa-quantization qk_<fmt> quantizes the attention QK^T GEMMs (--quant-scheme FA_<fmt>),
 qk_pv_<fmt> also the PV GEMMs (adds --attn-pv-quant <fmt>), and none trains in bf16. All other
-flags are those of train_config.py; the commands come from megatron/training/experiments.py.
+flags are those of train_config.py; the commands come from the experiment matrix,
+megatron/training/experiments/.
 """
 
 import os

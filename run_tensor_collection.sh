@@ -3,19 +3,20 @@
 # quantization scheme, and report what each run wrote.
 #
 # Usage:
-#   ./run_tensor_collection.sh [MODE] [QUANT_TYPE ...] [options] [-- pretrain_gpt.py flags]
+#   ./run_tensor_collection.sh [MODE] [QUANT_SCHEME ...] [options] [-- pretrain_gpt.py flags]
 #
 # Modes:
 #   single   one quantization scheme (default: FA_linear_mxfp8)
 #   batch    several schemes one after the other (default: all ten)
 #   quick    a smoke test: tiny model (llama-tiny), fast training config, mock data
 #
-# QUANT_TYPE is a scheme (bf16, FA_mxfp8, ..., FA_linear_hifp8; `python train_config.py --list`)
-# or a bare format mxfp8/mxfp4/hifp8, meaning FA_linear_<fmt> as in the original scripts.
+# QUANT_SCHEME is a scheme (bf16, FA_mxfp8, ..., FA_linear_hifp8; `python train_config.py --list`)
+# or a bare format mxfp8/mxfp4/hifp8, meaning FA_linear_<fmt> as in the original scripts (which
+# called it QUANT_TYPE).
 #
 # Options:
 #   --mode MODE                  single, batch or quick (instead of the positional MODE)
-#   --quant-type T[,T...]        scheme(s) to collect; may be repeated
+#   --quant-scheme S[,S...]      scheme(s) to collect; may be repeated (--quant-type: the same)
 #   --control-iter N             capture iterations 1..N, then the run ends (default 1)
 #   --collect-micro-batches M    micro-batches captured per iteration (default 1)
 #   --model NAME                 default: llama32-1b with a GPU, llama-tiny without (quick: llama-tiny)
@@ -31,7 +32,7 @@
 #
 # Examples:
 #   ./run_tensor_collection.sh single FA_linear_mxfp8
-#   ./run_tensor_collection.sh --mode single --quant-type mxfp8 --control-iter 3 --collect-micro-batches 2
+#   ./run_tensor_collection.sh --mode single --quant-scheme mxfp8 --control-iter 3 --collect-micro-batches 2
 #   ./run_tensor_collection.sh batch bf16 FA_mxfp8 linear_mxfp8
 #   ./run_tensor_collection.sh quick hifp8
 #
@@ -68,7 +69,7 @@ TRAIN_CONFIG="${SCRIPT_DIR}/train_config.py"
 MODES="single batch quick"
 
 MODE=""
-QUANT_TYPES=()
+QUANT_SCHEMES=()
 CONTROL_ITER=1
 COLLECT_MICRO_BATCHES=1
 MODEL=""
@@ -86,7 +87,8 @@ while [[ $# -gt 0 ]]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
         --mode) need_value "$@"; MODE=$2; shift 2 ;;
-        --quant-type|--quant-types) need_value "$@"; IFS=',' read -r -a _types <<< "$2"; QUANT_TYPES+=("${_types[@]}"); shift 2 ;;
+        --quant-scheme|--quant-schemes|--quant-type|--quant-types)
+            need_value "$@"; IFS=',' read -r -a _schemes <<< "$2"; QUANT_SCHEMES+=("${_schemes[@]}"); shift 2 ;;
         --control-iter) need_value "$@"; need_int "$1" "$2" 0; CONTROL_ITER=$2; shift 2 ;;
         --collect-micro-batches) need_value "$@"; need_int "$1" "$2" 1; COLLECT_MICRO_BATCHES=$2; shift 2 ;;
         --model) need_value "$@"; MODEL=$2; shift 2 ;;
@@ -101,7 +103,7 @@ while [[ $# -gt 0 ]]; do
         --) shift; EXTRA_ARGS=("$@"); break ;;
         -*) die "unknown option '$1' (see --help)" ;;
         *)
-            if [[ -z $MODE ]]; then MODE=$1; else QUANT_TYPES+=("$1"); fi
+            if [[ -z $MODE ]]; then MODE=$1; else QUANT_SCHEMES+=("$1"); fi
             shift
             ;;
     esac
@@ -135,14 +137,14 @@ else
 fi
 LOG_DIR=${LOG_DIR:-./runs/tensor_collection/$(date +%Y%m%d_%H%M%S)}
 
-if [[ ${#QUANT_TYPES[@]} -eq 0 ]]; then
-    if [[ $MODE == batch ]]; then QUANT_TYPES=(all); else QUANT_TYPES=(FA_linear_mxfp8); fi
+if [[ ${#QUANT_SCHEMES[@]} -eq 0 ]]; then
+    if [[ $MODE == batch ]]; then QUANT_SCHEMES=(all); else QUANT_SCHEMES=(FA_linear_mxfp8); fi
 fi
 
 train_command() {  # train_command SCHEME[,SCHEME...] [train_config.py flags] -> the command in CMD
     local schemes=$1
     shift
-    CMD=("$PYTHON" "$TRAIN_CONFIG" "$@" --model "$MODEL" --dataset "$DATASET" --quantization "$schemes"
+    CMD=("$PYTHON" "$TRAIN_CONFIG" "$@" --model "$MODEL" --dataset "$DATASET" --quant-scheme "$schemes"
          --training-config "$TRAINING_CONFIG" --no-checkpoints
          --tensorboard-dir "$LOG_DIR/tensorboard/{scheme}"
          --save-tensors --tensor-save-dir "$TENSOR_DIR" --control-iter "$CONTROL_ITER"
@@ -154,75 +156,57 @@ train_command() {  # train_command SCHEME[,SCHEME...] [train_config.py flags] ->
 
 # One check of the whole configuration before anything starts: train_config.py validates every
 # name against the experiment matrix (and, unless this is a dry run, that the data exists) and
-# prints one command per scheme, from which the canonical scheme names are read.
+# prints the canonical scheme of each run, one per line.
 # Usage errors first, before any data or environment check.
-if [[ $MODE != batch && ( ${#QUANT_TYPES[@]} -gt 1 || ${QUANT_TYPES[0]:-} == *,* ||
-      ${QUANT_TYPES[0]:-} == all ) ]]; then
-    die "mode $MODE collects one quant type, got ${QUANT_TYPES[*]}; use batch"
+if [[ $MODE != batch && ( ${#QUANT_SCHEMES[@]} -gt 1 || ${QUANT_SCHEMES[0]:-} == *,* ||
+      ${QUANT_SCHEMES[0]:-} == all ) ]]; then
+    die "mode $MODE collects one quant type, got ${QUANT_SCHEMES[*]}; use batch"
 fi
 ERR_FILE=$(mktemp)
 trap 'rm -f "$ERR_FILE"' EXIT
-train_command "$(IFS=,; echo "${QUANT_TYPES[*]}")" "$([[ $DRY_RUN == 1 ]] && echo --dry-run || echo --check)"
-if ! COMMANDS=$("${CMD[@]}" 2> "$ERR_FILE"); then
+REQUESTED=$(IFS=,; echo "${QUANT_SCHEMES[*]}")
+if [[ $DRY_RUN == 1 ]]; then
+    train_command "$REQUESTED" --print-schemes           # missing data: a note
+else
+    train_command "$REQUESTED" --print-schemes --check   # missing data: an error
+fi
+if ! RESOLVED=$("${CMD[@]}" 2> "$ERR_FILE"); then
     sed -e 's/^train_config.py: error: /run_tensor_collection.sh: error: /' \
         -e 's/ (see --help)$//' "$ERR_FILE" >&2
     exit 2
 fi
 sed -e "s/^\[train_config\] note: quantization /$TAG quant type /" "$ERR_FILE"
-mapfile -t SCHEMES < <(sed -n 's/.* --quant-scheme \([^ ]*\).*/\1/p' <<< "$COMMANDS")
-[[ ${#SCHEMES[@]} -gt 0 ]] || die "no quantization scheme to collect"
-if [[ $MODE != batch && ${#SCHEMES[@]} -gt 1 ]]; then
-    die "mode $MODE collects one quant type, got ${#SCHEMES[@]} (${SCHEMES[*]}); use batch"
+mapfile -t RUN_SCHEMES <<< "$RESOLVED"
+[[ -n ${RUN_SCHEMES[0]:-} ]] || die "no quantization scheme to collect"
+if [[ $MODE != batch && ${#RUN_SCHEMES[@]} -gt 1 ]]; then
+    die "mode $MODE collects one quant type, got ${#RUN_SCHEMES[@]} (${RUN_SCHEMES[*]}); use batch"
 fi
 
-echo "$TAG mode $MODE: ${#SCHEMES[@]} run(s) of $MODEL on $DATASET ($TRAINING_CONFIG config)," \
+echo "$TAG mode $MODE: ${#RUN_SCHEMES[@]} run(s) of $MODEL on $DATASET ($TRAINING_CONFIG config)," \
      "control-iter $CONTROL_ITER, micro-batches $COLLECT_MICRO_BATCHES"
 echo "$TAG tensors: $TENSOR_DIR/<scheme>/   logs: $LOG_DIR"
 
 if [[ $DRY_RUN == 1 ]]; then
-    i=0
-    while IFS= read -r line; do
-        train_command "${SCHEMES[$i]}"
-        echo "$TAG [${SCHEMES[$i]}] $(printf '%q ' "${CMD[@]}")"
-        echo "$line"
-        i=$((i + 1))
-    done <<< "$COMMANDS"
+    # Each run's train_config.py command, then the torchrun command it would start.
+    for s in "${RUN_SCHEMES[@]}"; do
+        train_command "$s"
+        echo "$TAG [$s] $(printf '%q ' "${CMD[@]}")"
+        train_command "$s" --dry-run
+        if ! "${CMD[@]}" 2> "$ERR_FILE"; then
+            cat "$ERR_FILE" >&2
+            exit 1
+        fi
+    done
     exit 0
 fi
 mkdir -p "$LOG_DIR" "$TENSOR_DIR"
 
 # ---------------------------------------------------------------------------------------------
-# Progress: count the manifest lines (one per complete record, docs/capture-format.md) and the
-# bytes they report, over the manifests this run created.
+# Progress: records and bytes of the manifests a run creates under its scheme directory (files
+# that were there before the run do not count), and the errors its summary files report.
 # ---------------------------------------------------------------------------------------------
-list_manifests() {  # list_manifests DIR
-    [[ -d $1 ]] || return 0
-    find "$1" -maxdepth 1 -name 'manifest-*.jsonl' -type f | sort
-}
-
-manifest_stats() {  # manifest_stats DIR BASELINE_FILE -> "records bytes"
-    local -a new
-    mapfile -t new < <(comm -13 "$2" <(list_manifests "$1"))
-    if [[ ${#new[@]} -eq 0 ]]; then echo "0 0"; return; fi
-    # A line that does not end with '}' is a record still being written: not counted yet.
-    awk '/}[[:space:]]*$/ { n++; if (match($0, /"bytes": *[0-9]+/)) { v = substr($0, RSTART, RLENGTH); gsub(/[^0-9]/, "", v); b += v } }
-         END { printf "%d %d\n", n, b }' "${new[@]}"
-}
-
-capture_errors() {  # capture_errors DIR BASELINE_FILE -> error strings of this run's summaries
-    local run_ids f
-    run_ids=$(comm -13 "$2" <(list_manifests "$1") | sed -n 's/.*manifest-\(.*\)-rank[0-9]*\.jsonl$/\1/p' | sort -u)
-    for id in $run_ids; do
-        for f in "$1"/summary-"$id"-rank*.json; do
-            [[ -f $f ]] || continue
-            grep -o '"error": *"[^"]*"' "$f" | sed 's/^"error": *//' || true
-        done
-    done
-}
-
-human_bytes() {
-    awk -v b="$1" 'BEGIN { split("B KiB MiB GiB TiB", u); i = 1; while (b >= 1024 && i < 5) { b /= 1024; i++ }
-                           printf (i == 1 ? "%d %s" : "%.1f %s"), b, u[i] }'
+progress() {  # progress snapshot|count|errors|human ...: megatron.tensor_capture.progress
+    PYTHONPATH="$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.tensor_capture.progress "$@"
 }
 
 RUN_PID=""
@@ -238,12 +222,12 @@ trap on_signal INT TERM
 
 REPORT_ROWS=()
 FAILED=0
-for s in "${SCHEMES[@]}"; do
+for s in "${RUN_SCHEMES[@]}"; do
     if [[ $INTERRUPTED == 1 ]]; then break; fi
     scheme_dir="$TENSOR_DIR/$s"
     log="$LOG_DIR/$s.log"
     baseline="$LOG_DIR/.$s.manifests-before"
-    list_manifests "$scheme_dir" > "$baseline"
+    progress snapshot "$scheme_dir" > "$baseline"
     train_command "$s"
     echo "$TAG [$s] starting; log: $log"
     start=$(date +%s)
@@ -258,8 +242,8 @@ for s in "${SCHEMES[@]}"; do
         sleep 1
         now=$(date +%s)
         if (( now - last >= POLL_INTERVAL )); then
-            read -r records bytes < <(manifest_stats "$scheme_dir" "$baseline")
-            echo "$TAG [$s] $records records, $(human_bytes "$bytes"), $((now - start)) s"
+            read -r records bytes human < <(progress count "$scheme_dir" --since "$baseline")
+            echo "$TAG [$s] $records records, $human, $((now - start)) s"
             last=$now
         fi
     done
@@ -268,8 +252,8 @@ for s in "${SCHEMES[@]}"; do
     RUN_PID=""
     seconds=$(( $(date +%s) - start ))
     sleep 0.2  # let tee flush the end of the log
-    read -r records bytes < <(manifest_stats "$scheme_dir" "$baseline")
-    errors=$(capture_errors "$scheme_dir" "$baseline")
+    read -r records bytes human < <(progress count "$scheme_dir" --since "$baseline")
+    errors=$(progress errors "$scheme_dir" --since "$baseline")
     if [[ $INTERRUPTED == 1 ]]; then
         status="interrupted"; FAILED=1
     elif [[ $rc -ne 0 ]]; then
@@ -283,7 +267,7 @@ for s in "${SCHEMES[@]}"; do
     else
         status="ok"
     fi
-    echo "$TAG [$s] $status: $records records, $(human_bytes "$bytes"), $seconds s"
+    echo "$TAG [$s] $status: $records records, $human, $seconds s"
     REPORT_ROWS+=("$s|$status|$rc|$records|$bytes|$seconds|$log")
     rm -f "$baseline"
 done
@@ -297,9 +281,9 @@ done
     printf '%-16s %-14s %4s %9s %11s %8s  %s\n' "quant type" "status" "exit" "records" "bytes" "seconds" "log"
     for row in "${REPORT_ROWS[@]}"; do
         IFS='|' read -r s status rc records bytes seconds log <<< "$row"
-        printf '%-16s %-14s %4d %9d %11s %8d  %s\n' "$s" "$status" "$rc" "$records" "$(human_bytes "$bytes")" "$seconds" "$log"
+        printf '%-16s %-14s %4d %9d %11s %8d  %s\n' "$s" "$status" "$rc" "$records" "$(progress human "$bytes")" "$seconds" "$log"
     done
-    for s in "${SCHEMES[@]:${#REPORT_ROWS[@]}}"; do
+    for s in "${RUN_SCHEMES[@]:${#REPORT_ROWS[@]}}"; do
         printf '%-16s %-14s\n' "$s" "not-run"
     done
     echo "tensors: $TENSOR_DIR"

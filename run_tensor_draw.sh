@@ -2,7 +2,7 @@
 # Collect tensors, visualise them, or both.
 #
 # Usage:
-#   ./run_tensor_draw.sh [MODE] [QUANT_TYPE ...] [options] [-- tensor_visualizer.py flags]
+#   ./run_tensor_draw.sh [MODE] [QUANT_SCHEME ...] [options] [-- tensor_visualizer.py flags]
 #
 # Modes:
 #   visualize  analyse the captures in --tensor-dir with tools/visualization/tensor_visualizer.py
@@ -15,9 +15,10 @@
 #   --tensor-dir DIR             capture root (default ./enhanced_tensor_logs)
 #   --output-dir DIR             visualisation output (default ./draw)
 # Collection options (collect, both), passed to run_tensor_collection.sh:
-#   --collect-mode MODE          single, batch or quick (default: single for one quant type,
+#   --collect-mode MODE          single, batch or quick (default: single for one quant scheme,
 #                                batch for several)
-#   --quant-type T[,T...]        scheme(s) to collect (default FA_linear_mxfp8); may be repeated
+#   --quant-scheme S[,S...]      scheme(s) to collect (default FA_linear_mxfp8); may be repeated
+#                                (--quant-type, the original name, does the same)
 #   --control-iter N, --collect-micro-batches M, --model NAME, --dataset NAME,
 #   --training-config NAME, --nproc-per-node N, --log-dir DIR, --poll-interval S, --quiet
 #                                as in run_tensor_collection.sh --help; with both, the
@@ -29,7 +30,7 @@
 # Examples:
 #   ./run_tensor_draw.sh visualize --tensor-dir ./enhanced_tensor_logs --output-dir ./draw
 #   ./run_tensor_draw.sh both mxfp8
-#   ./run_tensor_draw.sh --mode both --quant-type FA_linear_mxfp8 --control-iter 3 --collect-micro-batches 2
+#   ./run_tensor_draw.sh --mode both --quant-scheme FA_linear_mxfp8 --control-iter 3 --collect-micro-batches 2
 #   ./run_tensor_draw.sh both --collect-mode quick --tensor-dir /tmp/t --output-dir /tmp/draw
 #
 # Environment: PYTHON (default: the repository's .venv if present, else python3).
@@ -65,7 +66,7 @@ MODE=""
 TENSOR_DIR=./enhanced_tensor_logs
 OUTPUT_DIR=./draw
 COLLECT_MODE=""
-QUANT_TYPES=()
+QUANT_SCHEMES=()
 COLLECT_ARGS=()
 LOG_DIR=""
 VIS_ARGS=()
@@ -78,8 +79,8 @@ while [[ $# -gt 0 ]]; do
         --tensor-dir) need_value "$@"; TENSOR_DIR=$2; shift 2 ;;
         --output-dir) need_value "$@"; OUTPUT_DIR=$2; shift 2 ;;
         --collect-mode) need_value "$@"; COLLECT_MODE=$2; shift 2 ;;
-        --quant-type|--quant-types)
-            need_value "$@"; IFS=',' read -r -a _types <<< "$2"; QUANT_TYPES+=("${_types[@]}"); shift 2 ;;
+        --quant-scheme|--quant-schemes|--quant-type|--quant-types)
+            need_value "$@"; IFS=',' read -r -a _schemes <<< "$2"; QUANT_SCHEMES+=("${_schemes[@]}"); shift 2 ;;
         --log-dir) need_value "$@"; LOG_DIR=$2; shift 2 ;;
         --control-iter|--collect-micro-batches|--model|--dataset|--training-config|--nproc-per-node|--poll-interval)
             need_value "$@"; COLLECT_ARGS+=("$1" "$2"); shift 2 ;;
@@ -88,7 +89,7 @@ while [[ $# -gt 0 ]]; do
         --) shift; VIS_ARGS=("$@"); break ;;
         -*) die "unknown option '$1' (see --help)" ;;
         *)
-            if [[ -z $MODE ]]; then MODE=$1; else QUANT_TYPES+=("$1"); fi
+            if [[ -z $MODE ]]; then MODE=$1; else QUANT_SCHEMES+=("$1"); fi
             shift
             ;;
     esac
@@ -99,11 +100,11 @@ case $MODE in
     visualize|collect|both) ;;
     *) die "unknown mode '$MODE'; valid: visualize, collect, both" ;;
 esac
-if [[ $MODE == visualize && ( ${#QUANT_TYPES[@]} -gt 0 || ${#COLLECT_ARGS[@]} -gt 0 || -n $COLLECT_MODE || -n $LOG_DIR ) ]]; then
+if [[ $MODE == visualize && ( ${#QUANT_SCHEMES[@]} -gt 0 || ${#COLLECT_ARGS[@]} -gt 0 || -n $COLLECT_MODE || -n $LOG_DIR ) ]]; then
     die "quant types and collection options need mode collect or both, not visualize"
 fi
 if [[ -z $COLLECT_MODE ]]; then
-    if [[ ${#QUANT_TYPES[@]} -gt 1 ]]; then COLLECT_MODE=batch; else COLLECT_MODE=single; fi
+    if [[ ${#QUANT_SCHEMES[@]} -gt 1 ]]; then COLLECT_MODE=batch; else COLLECT_MODE=single; fi
 fi
 case $COLLECT_MODE in
     single|batch|quick) ;;
@@ -114,8 +115,8 @@ LOSS_ARGS=()
 
 collect() {
     local cmd=(bash "$COLLECTOR" --mode "$COLLECT_MODE" --tensor-dir "$TENSOR_DIR" --log-dir "$LOG_DIR")
-    local t
-    for t in "${QUANT_TYPES[@]}"; do cmd+=(--quant-type "$t"); done
+    local s
+    for s in "${QUANT_SCHEMES[@]}"; do cmd+=(--quant-scheme "$s"); done
     if [[ ${#COLLECT_ARGS[@]} -gt 0 ]]; then cmd+=("${COLLECT_ARGS[@]}"); fi
     if [[ $DRY_RUN == 1 ]]; then cmd+=(--dry-run); fi
     echo "$TAG collecting: $(printf '%q ' "${cmd[@]}")"

@@ -1,32 +1,41 @@
 #!/usr/bin/env python
-"""Launch one cell of the experiment matrix: model x dataset x quantization x training config.
+"""Launch one cell of the experiment matrix: model x dataset x quant scheme x training config.
 
     python train_config.py --list
-    python train_config.py --model llama32-1b --dataset wikipedia --quantization FA_mxfp8 --dry-run
-    python train_config.py --model llama-tiny --dataset mock --quantization linear_hifp8 \\
+    python train_config.py --model llama32-1b --dataset wikipedia --quant-scheme FA_mxfp8 --dry-run
+    python train_config.py --model llama-tiny --dataset mock --quant-scheme linear_hifp8 \\
         --training-config fast -- --train-iters 5
+    python train_config.py --model llama-tiny --dataset mock --quant-scheme all --print-schemes
 
-The command comes from megatron/training/experiments.py (the single source of truth shared
-with examples/llama/ and the collection drivers). Without --dry-run the command runs with its
-output streamed, and this script exits with its exit code.
+The command comes from the experiment matrix, megatron/training/experiments/ (the single source
+of truth shared with examples/llama/ and the collection drivers). Without --dry-run the command
+runs with its output streamed, and this script exits with its exit code. --quantization, the
+original name of --quant-scheme, is still accepted.
+
+Start-up stays light: nothing on the paths of --help, --list, --dry-run or --print-schemes
+imports torch or megatron.core.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-_REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
-if _REPO_ROOT not in sys.path:  # runnable as `python train_config.py` from anywhere
-    sys.path.insert(0, _REPO_ROOT)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # runnable as `python train_config.py` from anywhere
+    sys.path.insert(0, _HERE)
 
+from megatron.training import corpora  # noqa: E402
 from megatron.training import experiments as ex  # noqa: E402
 
 PROG_TAG = "[train_config]"
+# The commands run the pretrain_gpt.py beside this script.
+PRETRAIN_SCRIPT = os.path.join(_HERE, "pretrain_gpt.py")
 
 
 def _positive_int(text: str) -> int:
@@ -65,7 +74,8 @@ def build_parser(fa: bool = False) -> argparse.ArgumentParser:
         prog=prog, allow_abbrev=False,
         description=f"Print or run the torchrun command of {what}. Flags after '--' are "
                     "appended to the pretrain_gpt.py flags (and override them).",
-        epilog="Every valid name: --list. Commands come from megatron/training/experiments.py.")
+        epilog="Every valid name: --list. Commands come from the experiment matrix, "
+               "megatron/training/experiments/.")
 
     info = parser.add_argument_group("information")
     info.add_argument("--list", action="store_true",
@@ -73,6 +83,10 @@ def build_parser(fa: bool = False) -> argparse.ArgumentParser:
     info.add_argument("--names", choices=ex.NAME_KINDS, default=None, metavar="KIND",
                       help="Print the valid names of one kind, one per line, then exit (for "
                            f"scripts). KIND: {', '.join(ex.NAME_KINDS)}.")
+    info.add_argument("--print-schemes", action="store_true",
+                      help="Check the experiments as --dry-run does, but print the canonical "
+                           "quant scheme of each command, one per line, instead of the commands "
+                           "(for scripts; with --check, exit 2 if an input is missing).")
 
     exp = parser.add_argument_group("experiment")
     exp.add_argument("--model", default=None, metavar="MODEL",
@@ -84,14 +98,16 @@ def build_parser(fa: bool = False) -> argparse.ArgumentParser:
         exp.add_argument("--fa-quantization", action="append", default=None, metavar="NAME",
                          help="Attention quantization: qk_<fmt> quantizes QK^T (scheme FA_<fmt>), "
                               "qk_pv_<fmt> also PV (--attn-pv-quant <fmt>), none = bf16. Valid: "
-                              f"{', '.join(ex.FA_QUANTIZATIONS)}. With --dry-run or --check: "
-                              "several (repeated or comma-separated) or 'all'.")
+                              f"{', '.join(ex.FA_QUANTIZATIONS)}. With --dry-run, --check or "
+                              "--print-schemes: several (repeated or comma-separated) or 'all'.")
     else:
-        exp.add_argument("--quantization", action="append", default=None, metavar="SCHEME",
-                         help=f"Quantization scheme: {', '.join(ex.SCHEMES)} (a bare format "
-                              f"{'/'.join(ex.ELEMENT_FORMATS)} means FA_linear_<fmt>, as "
-                              "CUSTOM_QUANT_TYPE did). Default: bf16. With --dry-run or --check: "
-                              "several (repeated or comma-separated) or 'all'.")
+        exp.add_argument("--quant-scheme", "--quantization", dest="quant_scheme",
+                         action="append", default=None, metavar="SCHEME",
+                         help=f"Quantization scheme: {', '.join(ex.QUANT_SCHEMES)} (a bare "
+                              f"format {'/'.join(ex.ELEMENT_FORMATS)} means FA_linear_<fmt>, as "
+                              "CUSTOM_QUANT_TYPE did). Default: bf16. With --dry-run, --check or "
+                              "--print-schemes: several (repeated or comma-separated) or 'all'. "
+                              "--quantization is its original name, still accepted.")
     exp.add_argument("--training-config", default="standard", metavar="NAME",
                      help=f"Training config: {', '.join(ex.TRAINING_CONFIG_NAMES)} (fast: smoke "
                           "test; standard: the model's pretraining recipe). Default: standard.")
@@ -124,8 +140,10 @@ def build_parser(fa: bool = False) -> argparse.ArgumentParser:
                        help="Tokenizer file for real data: a Llama 3 tokenizer.model or a "
                             "HuggingFace tokenizer.json (default: the built-in Llama 3 tokenizer).")
     paths.add_argument("--data-root", default=None,
-                       help="Directory holding the embedded datasets (default: data/ in the "
-                            "repository).")
+                       help="Directory holding the embedded datasets (default: "
+                            f"{corpora.DEFAULT_DATA_ROOT}"
+                            + ("" if os.path.isabs(corpora.DEFAULT_DATA_ROOT)
+                               else ", relative to the working directory") + ").")
     paths.add_argument("--run-dir", default=None,
                        help="Directory for checkpoints and TensorBoard logs (default: "
                             "runs/{model}/{dataset}/{quantization}/{training config}).")
@@ -172,7 +190,7 @@ def _requested(values: Optional[Sequence[str]], default: str, every: Sequence[st
 
 
 def resolve_quantizations(parser, args, fa: bool) -> List[Tuple[str, Optional[str]]]:
-    """[(scheme, attention PV format or None)] from --quantization or --fa-quantization."""
+    """[(quant scheme, attention PV format or None)] from --quant-scheme or --fa-quantization."""
     if fa:
         if not args.fa_quantization:
             parser.error("--fa-quantization is required (valid: "
@@ -185,18 +203,24 @@ def resolve_quantizations(parser, args, fa: bool) -> List[Tuple[str, Optional[st
                 parser.error(str(exc))
         return out
     out = []
-    for name in _requested(args.quantization, "bf16", ex.SCHEMES):
+    for name in _requested(args.quant_scheme, "bf16", ex.QUANT_SCHEMES):
         if name in ex.ELEMENT_FORMATS:
-            scheme = f"FA_linear_{name}"
-            print(f"{PROG_TAG} note: quantization {name} means {scheme} (linear layers and "
-                  "attention QK^T)", file=sys.stderr)
-            name = scheme
-        elif name not in ex.SCHEMES:
-            parser.error(f"unknown quantization scheme {name!r}; valid: {', '.join(ex.SCHEMES)} "
-                         f"(or {', '.join(ex.ELEMENT_FORMATS)}, all)")
+            quant_scheme = f"FA_linear_{name}"
+            print(f"{PROG_TAG} note: quantization {name} means {quant_scheme} (linear layers "
+                  "and attention QK^T)", file=sys.stderr)
+            name = quant_scheme
+        elif name not in ex.QUANT_SCHEMES:
+            parser.error(f"unknown quantization scheme {name!r}; valid: "
+                         f"{', '.join(ex.QUANT_SCHEMES)} (or {', '.join(ex.ELEMENT_FORMATS)}, "
+                         "all)")
         if (name, None) not in out:
             out.append((name, None))
     return out
+
+
+def _fill_scheme(path: Optional[str], variant: str) -> Optional[str]:
+    """'{scheme}' in a path option stands for each command's quant scheme (and PV format)."""
+    return None if path is None else path.replace("{scheme}", variant)
 
 
 def experiments_from_args(parser, args, extra: Sequence[str], fa: bool) -> List[ex.Experiment]:
@@ -206,7 +230,7 @@ def experiments_from_args(parser, args, extra: Sequence[str], fa: bool) -> List[
     if args.dataset is None:
         parser.error(f"--dataset is required (valid: {', '.join(ex.ALL_DATASETS)})")
     quantizations = resolve_quantizations(parser, args, fa)
-    if len(quantizations) > 1 and not (args.dry_run or args.check):
+    if len(quantizations) > 1 and not (args.dry_run or args.check or args.print_schemes):
         parser.error(f"{len(quantizations)} quantizations given; a run takes one (several only "
                      "with --dry-run or --check)")
     capture_given = [flag for flag, value in (("--tensor-save-dir", args.tensor_save_dir),
@@ -221,18 +245,18 @@ def experiments_from_args(parser, args, extra: Sequence[str], fa: bool) -> List[
     if args.node_rank >= args.nnodes:
         parser.error(f"--node-rank {args.node_rank} must be < --nnodes {args.nnodes}")
     exps = []
-    for scheme, pv in quantizations:
-        variant = scheme if pv is None else f"{scheme}_pv_{pv}"
-        fill = lambda path: None if path is None else path.replace("{scheme}", variant)  # noqa: E731
+    for quant_scheme, pv in quantizations:
         exp = ex.Experiment(
-            model=args.model, dataset=args.dataset, scheme=scheme,
+            model=args.model, dataset=args.dataset, quant_scheme=quant_scheme,
             training_config=args.training_config, attn_pv_quant=pv,
             nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port,
             tokenizer_model=args.tokenizer_model, data_root=args.data_root,
-            run_dir=fill(args.run_dir), checkpoint_dir=fill(args.checkpoint_dir),
-            tensorboard_dir=fill(args.tensorboard_dir), checkpoints=args.checkpoints,
-            capture=capture, extra_args=tuple(extra))
+            checkpoints=args.checkpoints, capture=capture, extra_args=tuple(extra))
+        exp = dataclasses.replace(
+            exp, run_dir=_fill_scheme(args.run_dir, exp.variant),
+            checkpoint_dir=_fill_scheme(args.checkpoint_dir, exp.variant),
+            tensorboard_dir=_fill_scheme(args.tensorboard_dir, exp.variant))
         try:
             ex.check_experiment(exp)
         except ex.ExperimentError as exc:
@@ -283,15 +307,15 @@ def main(argv: Optional[Sequence[str]] = None, fa: bool = False) -> int:
     exps = experiments_from_args(parser, args, extra, fa)
     cmds = []
     for exp in exps:
-        cmd = ex.build_command(exp)
+        cmd = ex.build_command(exp, PRETRAIN_SCRIPT)
         env = effective_env(cmd)
         cmd.env.clear()
         cmd.env.update(env)
         cmds.append(cmd)
     problems = ex.missing_inputs(exps[0])   # the same data and tokenizer for every command
-    if args.dry_run or args.check:
+    if args.dry_run or args.check or args.print_schemes:
         for cmd in cmds:
-            print(cmd.shell(), flush=True)
+            print(cmd.experiment.quant_scheme if args.print_schemes else cmd.shell(), flush=True)
         for problem in problems:
             if args.check:
                 print(f"{parser.prog}: error: {problem}", file=sys.stderr)

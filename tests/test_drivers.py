@@ -38,8 +38,9 @@ def one_error_line(proc, *expected):
 class TestUsage:
     @pytest.mark.parametrize("script,words", [
         (COLLECT, ["single", "batch", "quick", "--control-iter", "--collect-micro-batches",
-                   "--tensor-dir", "--nproc-per-node"]),
-        (DRAW, ["collect", "visualize", "both", "--tensor-dir", "--output-dir"]),
+                   "--tensor-dir", "--nproc-per-node", "--quant-scheme", "--quant-type"]),
+        (DRAW, ["collect", "visualize", "both", "--tensor-dir", "--output-dir",
+                "--quant-scheme", "--quant-type"]),
     ])
     def test_help(self, script, words):
         proc = run(script, "--help")
@@ -58,6 +59,7 @@ class TestUsage:
     def test_bad_quant_type(self):
         one_error_line(run(COLLECT, "single", "fp8"), "unknown quantization scheme 'fp8'",
                        "FA_linear_hifp8", "mxfp8")
+        one_error_line(run(COLLECT, "batch", "--quant-scheme", "bf16,FA_fp4"), "'FA_fp4'")
         one_error_line(run(COLLECT, "batch", "--quant-type", "bf16,FA_fp4"), "'FA_fp4'")
         # run_tensor_draw.sh passes the collection's usage error through.
         proc = run(DRAW, "both", "FA_mxfp9")
@@ -117,6 +119,32 @@ def test_batch_dry_run_commands_are_valid(tmp_path):
         assert args.data_path == [ex.data_prefix("dolma")]
         assert args.tensorboard_dir == str(tmp_path / "logs" / "tensorboard" / scheme)
     assert not (tmp_path / "t").exists() and not (tmp_path / "logs").exists()
+
+
+def test_dry_run_resolves_schemes_through_train_config(tmp_path):
+    """--quant-scheme and its alias --quant-type; 'all' and bare formats become canonical names
+    (train_config.py --print-schemes), each with its train_config.py and torchrun command."""
+    common = ["--model", "llama-tiny", "--dataset", "mock", "--log-dir", str(tmp_path / "l"),
+              "--dry-run"]
+    proc = run(COLLECT, "batch", "--quant-scheme", "all", *common)
+    assert proc.returncode == 0, proc.stderr
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("[collect] [")]
+    assert [line.split("]")[1].lstrip(" [") for line in runs] == list(ex.QUANT_SCHEMES)
+    assert all("--quant-scheme " in line for line in runs)
+    torchruns = [line for line in proc.stdout.splitlines() if line.startswith("torchrun")]
+    assert len(torchruns) == len(ex.QUANT_SCHEMES)
+    for line, scheme in zip(torchruns, ex.QUANT_SCHEMES):
+        assert line.endswith(f"--quant-scheme {scheme} --save-tensors --tensor-save-dir "
+                             "./enhanced_tensor_logs --control-iter 1 --collect-micro-batches 1")
+    alias = run(COLLECT, "--mode", "single", "--quant-type", "hifp8", *common)
+    primary = run(COLLECT, "--mode", "single", "--quant-scheme", "hifp8", *common)
+    assert alias.returncode == primary.returncode == 0, alias.stderr + primary.stderr
+    assert alias.stdout == primary.stdout
+    assert "[collect] [FA_linear_hifp8]" in primary.stdout
+    draw = run(DRAW, "collect", "--quant-type", "mxfp4", "--model", "llama-tiny",
+               "--dataset", "mock", "--log-dir", str(tmp_path / "l"), "--dry-run")
+    assert draw.returncode == 0, draw.stderr
+    assert "--quant-scheme mxfp4" in draw.stdout and "[collect] [FA_linear_mxfp4]" in draw.stdout
 
 
 def test_quick_end_to_end(tmp_path):

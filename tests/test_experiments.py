@@ -6,14 +6,17 @@ flags, then `validate_args(check_paths=False)` with the world size the command l
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from megatron.quantization.schemes import SCHEMES
+from megatron.quantization import schemes as quant_schemes
 from megatron.training import experiments as ex
 from megatron.training.arguments import parse_args, validate_args
+from megatron.training.experiments import cli, launchers
+from megatron.training.experiments.preset_flags import preset_flags
 from megatron.training.presets import MODEL_PRESETS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,6 +25,9 @@ import train_config  # noqa: E402
 
 PY = sys.executable
 LAUNCHERS = os.path.join(REPO_ROOT, "examples", "llama")
+COMMON_SH = os.path.join(LAUNCHERS, launchers.COMMON_SCRIPT)
+PRETRAIN_SCRIPT = os.path.join(REPO_ROOT, "pretrain_gpt.py")
+SCHEMES = quant_schemes.SCHEMES
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +88,7 @@ class TestMatrix:
     def test_names(self):
         assert ex.MATRIX_MODELS == ("llama31-8b", "llama32-1b", "deepseek2_lite")
         assert ex.DATASETS == ("wikipedia", "dolma")
-        assert ex.SCHEMES == SCHEMES and len(SCHEMES) == 10
+        assert len(SCHEMES) == 10
         assert ex.TRAINING_CONFIG_NAMES == ("fast", "standard")
         assert len(ex.matrix()) == 3 * 2 * 10 * 2
         for spec in ex.MODELS.values():
@@ -91,9 +97,20 @@ class TestMatrix:
 
     def test_aliases(self):
         assert ex.resolve_model("deepseek2-lite") is ex.resolve_model("deepseek2_lite")
-        a = ex.build_command(ex.Experiment("deepseek2-lite", "dolma", "FA_mxfp4"))
-        b = ex.build_command(ex.Experiment("deepseek2_lite", "dolma", "FA_mxfp4"))
+        a = ex.build_command(ex.Experiment("deepseek2-lite", "dolma", "FA_mxfp4"), PRETRAIN_SCRIPT)
+        b = ex.build_command(ex.Experiment("deepseek2_lite", "dolma", "FA_mxfp4"), PRETRAIN_SCRIPT)
         assert a.argv == b.argv
+
+    def test_quant_scheme_names_match_the_quantization_package(self):
+        """The matrix spells the scheme names itself (no torch import); they must agree."""
+        assert ex.QUANT_SCHEMES == quant_schemes.SCHEMES
+        assert ex.ELEMENT_FORMATS == quant_schemes.ELEMENT_FORMATS
+
+    def test_pretrain_script_is_the_callers(self, tmp_path):
+        script = tmp_path / "elsewhere" / "pretrain_gpt.py"
+        cmd = ex.build_command(ex.Experiment("llama-tiny", "mock", "bf16"), script)
+        assert cmd.script == str(script) and cmd.argv[cmd.argv.index(str(script)) + 1:] == \
+            cmd.pretrain_args
 
     @pytest.mark.parametrize("kind,expected", [
         ("models", ["llama31-8b", "llama32-1b", "deepseek2_lite", "llama-tiny",
@@ -120,6 +137,34 @@ class TestMatrix:
         assert out.returncode == 0, out.stderr
         assert "FA_linear_hifp8" in out.stdout and "deepseek2_lite" in out.stdout
 
+    def test_quiet_light_start_up(self):
+        """--help, --list, --dry-run and --print-schemes import neither torch nor megatron.core
+        (so no TransformerEngine / Apex warnings and well under a second of start-up)."""
+        code = ("import sys, contextlib, io\n"
+                "import train_config\n"
+                "for argv in (['--list'], ['--model', 'llama31-8b', '--dataset', 'wikipedia',\n"
+                "             '--quant-scheme', 'all', '--dry-run'],\n"
+                "             ['--model', 'llama-tiny', '--dataset', 'mock', '--print-schemes']):\n"
+                "    with contextlib.redirect_stdout(io.StringIO()):\n"
+                "        assert train_config.main(argv) == 0\n"
+                "heavy = ('torch', 'megatron.core', 'transformer_engine', 'apex')\n"
+                "print(sorted(m for m in heavy if m in sys.modules))\n")
+        out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "[]"
+        assert "warn" not in out.stderr.lower(), out.stderr
+
+    def test_library_does_not_reach_into_the_checkout(self):
+        """Paths come from the callers; nothing under the package locates the repository."""
+        package = os.path.dirname(ex.__file__)
+        for name in sorted(os.listdir(package)):
+            if name.endswith(".py"):
+                with open(os.path.join(package, name)) as f:
+                    text = f.read()
+                for word in ("__file__", "sys.path", "REPO_ROOT", ".parents["):
+                    assert word not in text, (name, word)
+
 
 # ---------------------------------------------------------------------------------------------
 # Dry runs of every combination, validated by the real parser
@@ -134,7 +179,7 @@ def test_every_combination_is_a_valid_command(capsys, model, dataset):
         cfg = spec.training[config]
         for scheme in SCHEMES:
             env, launcher, flags, world = dry_run(capsys, [
-                "--model", model, "--dataset", dataset, "--quantization", scheme,
+                "--model", model, "--dataset", dataset, "--quant-scheme", scheme,
                 "--training-config", config])
             assert launcher[0] == "torchrun" or launcher[0].endswith("torchrun")
             assert world == spec.nproc_per_node
@@ -203,7 +248,7 @@ def test_fa_mapping():
 class TestOptions:
     def test_capture_pass_through(self, capsys, tmp_path):
         _, _, flags, world = dry_run(capsys, [
-            "--model", "llama-tiny", "--dataset", "mock", "--quantization", "linear_hifp8",
+            "--model", "llama-tiny", "--dataset", "mock", "--quant-scheme", "linear_hifp8",
             "--training-config", "fast", "--save-tensors", "--tensor-save-dir", str(tmp_path),
             "--control-iter", "2", "--collect-micro-batches", "2"])
         args = validated(flags, world)
@@ -245,6 +290,38 @@ class TestOptions:
         assert "--quant-scheme FA_linear_hifp8" in captured.out
         assert "FA_linear_hifp8" in captured.err
 
+    def test_quantization_is_an_alias_of_quant_scheme(self, capsys):
+        argv = ["--model", "llama32-1b", "--dataset", "mock", "--dry-run"]
+        assert train_config.main(argv + ["--quant-scheme", "FA_mxfp4"]) == 0
+        primary = capsys.readouterr().out
+        assert train_config.main(argv + ["--quantization", "FA_mxfp4"]) == 0
+        assert capsys.readouterr().out == primary and "--quant-scheme FA_mxfp4" in primary
+        help_text = train_config.build_parser().format_help()
+        assert "--quant-scheme SCHEME, --quantization SCHEME" in help_text
+
+    def test_print_schemes(self, capsys, tmp_path):
+        """One canonical scheme per line, after the same checks as --dry-run / --check."""
+        argv = ["--model", "llama-tiny", "--dataset", "mock", "--print-schemes"]
+        assert train_config.main(argv + ["--quant-scheme", "mxfp4,bf16", "--quantization",
+                                         "FA_linear_mxfp4"]) == 0
+        captured = capsys.readouterr()
+        assert captured.out.splitlines() == ["FA_linear_mxfp4", "bf16"]
+        assert "means FA_linear_mxfp4" in captured.err
+        assert train_config.main(argv + ["--quant-scheme", "all"]) == 0
+        assert capsys.readouterr().out.splitlines() == list(SCHEMES)
+        err = cli_error(capsys, argv + ["--quant-scheme", "FA_fp4"])
+        assert "'FA_fp4'" in err
+        missing = ["--model", "llama-tiny", "--dataset", "dolma", "--data-root", str(tmp_path),
+                   "--print-schemes"]
+        assert train_config.main(missing) == 0
+        assert capsys.readouterr().out == "bf16\n"
+        assert train_config.main(missing + ["--check"]) == 2
+        assert "build_corpus.py --dataset dolma" in capsys.readouterr().err
+        assert train_config.main(["--model", "llama31-8b", "--dataset", "mock",
+                                  "--fa-quantization", "qk_pv_hifp8", "--print-schemes"],
+                                 fa=True) == 0
+        assert capsys.readouterr().out == "FA_hifp8\n"
+
     def test_paths(self, capsys, tmp_path):
         _, _, flags, world = dry_run(capsys, [
             "--model", "llama32-1b", "--dataset", "dolma", "--run-dir", str(tmp_path),
@@ -258,11 +335,12 @@ class TestOptions:
             "--model", "llama32-1b", "--dataset", "dolma", "--no-checkpoints"])
         assert validated(flags, world).save is None
         # '{scheme}' in a path stands for each command's scheme.
-        assert train_config.main(["--model", "llama-tiny", "--dataset", "mock", "--quantization",
+        assert train_config.main(["--model", "llama-tiny", "--dataset", "mock", "--quant-scheme",
                                   "bf16,FA_mxfp4", "--tensorboard-dir", "tb/{scheme}",
                                   "--dry-run"]) == 0
         lines = capsys.readouterr().out.splitlines()
-        assert "--tensorboard-dir tb/bf16" in lines[0] and "--tensorboard-dir tb/FA_mxfp4" in lines[1]
+        assert "--tensorboard-dir tb/bf16" in lines[0]
+        assert "--tensorboard-dir tb/FA_mxfp4" in lines[1]
 
     @pytest.mark.parametrize("argv,expected", [
         (["--model", "gpt5", "--dataset", "mock"], ["'gpt5'", "llama31-8b", "deepseek2_lite"]),
@@ -313,14 +391,105 @@ class TestOptions:
 
 
 def test_launchers_in_sync():
-    stale = ex.stale_launchers()
+    """Fails while a generated launcher differs from what the matrix renders."""
+    stale = launchers.stale_launchers(LAUNCHERS)
     assert not stale, ("regenerate with: python -m megatron.training.experiments "
                        f"--write-launchers ({stale})")
-    expected = set(ex.render_launchers())
+    expected = set(launchers.render_launchers())
+    assert launchers.COMMON_SCRIPT not in expected   # written by hand
     on_disk = {f for f in os.listdir(LAUNCHERS) if f.endswith(".sh")}
-    assert on_disk == expected
+    assert on_disk == expected | {launchers.COMMON_SCRIPT}
     for name in expected:
         assert os.access(os.path.join(LAUNCHERS, name), os.X_OK)
+
+
+def test_write_and_check_launchers_cli(tmp_path, capsys):
+    """The CLI writes to and checks the directory it is given."""
+    target = tmp_path / "llama"
+    assert cli.main(["--write-launchers", "--launcher-dir", str(target)]) == 0
+    assert "common.sh is missing" in capsys.readouterr().err
+    assert sorted(p.name for p in target.iterdir()) == sorted(launchers.render_launchers())
+    assert cli.main(["--check-launchers", "--launcher-dir", str(target)]) == 0
+    edited = target / "train_tiny_cpu.sh"
+    edited.write_text(edited.read_text() + "# edited by hand\n")
+    assert cli.main(["--check-launchers", "--launcher-dir", str(target)]) == 1
+    assert str(edited) in capsys.readouterr().err
+    edited.unlink()
+    assert launchers.stale_launchers(target) == [str(edited)]
+
+
+def test_python_module_entry_point(tmp_path):
+    out = subprocess.run([PY, "-m", "megatron.training.experiments", "--check-launchers",
+                          "--launcher-dir", LAUNCHERS], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([PY, "-m", "megatron.training.experiments", "--write-launchers"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr   # default: examples/llama under the working dir
+    assert (tmp_path / "examples" / "llama" / "train_llama32_1b.sh").is_file()
+
+
+def _launcher_body(text):
+    """The lines of a launcher after its header, without comments and blank lines."""
+    lines = text.splitlines()
+    body = lines[lines.index("set -euo pipefail") + 1:]
+    return [line.strip() for line in body if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_launchers_hold_only_model_specific_lines():
+    """A source line, the values of the model and the matrix, and one call into common.sh."""
+    with open(COMMON_SH) as f:
+        common = f.read()
+    shared = ["POSITIONAL=(", "TOKENIZER_ARGS=(", "DATA_ARGS_LIST=(", "QUANT_ARGS=(",
+              "DISTRIBUTED_ARGS=(", "CMD=(", "printf '%q '", "usage()", "exec ", "torchrun",
+              "LAUNCH=(", "if ", "for ", "()"]
+    for name, text in launchers.render_launchers().items():
+        body = _launcher_body(text)
+        assert body[0] == 'source "$(dirname "${BASH_SOURCE[0]}")/common.sh"', name
+        assert body[-1] in ('run_on_gpus "$@"', 'run_on_cpu "$@"'), name
+        for line in body[1:-1]:
+            for snippet in shared:
+                assert snippet not in line, (name, snippet)
+        assert f"QUANT_SCHEMES=({' '.join(ex.QUANT_SCHEMES)})" in body
+        assert f"DATA_SPLIT={ex.DATA_SPLIT}" in body
+    for snippet in shared[:-4]:
+        assert snippet in common, snippet
+
+
+def test_common_sh_takes_matrix_values_from_the_launcher():
+    """common.sh is hand-written: no scheme, dataset or recipe value is spelled in it."""
+    with open(COMMON_SH) as f:
+        code = "\n".join(line for line in f if not line.lstrip().startswith("#"))
+    for value in list(ex.QUANT_SCHEMES[1:]) + list(ex.DATASETS) + [ex.DATA_SPLIT, "8192",
+                                                                   "128256"]:
+        assert value not in code, value
+
+
+def test_launchers_use_common_sh_beside_them(tmp_path):
+    """A copy of examples/llama elsewhere runs with its own common.sh and repository root."""
+    llama = tmp_path / "examples" / "llama"
+    launchers.write_launchers(llama)
+    shutil.copy(COMMON_SH, llama)
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    for name in launchers.render_launchers():
+        proc = subprocess.run(["bash", str(llama / name), "c", "t"], capture_output=True,
+                              text=True, cwd="/", timeout=60, env=dict(os.environ, DRY_RUN="1"))
+        assert proc.returncode == 0, proc.stderr
+        _, _, flags, world = split_command(proc.stdout)
+        assert str(tmp_path / "pretrain_gpt.py") in shlex.split(proc.stdout)
+        validated(flags, world)
+    (llama / launchers.COMMON_SCRIPT).unlink()
+    for name in launchers.render_launchers():
+        proc = subprocess.run(["bash", str(llama / name), "c", "t"], capture_output=True,
+                              text=True, timeout=60, env=dict(os.environ, DRY_RUN="1"))
+        assert proc.returncode != 0 and proc.stdout == ""
+        assert launchers.COMMON_SCRIPT in proc.stderr
+
+
+def test_common_sh_is_not_run_directly():
+    proc = subprocess.run(["bash", COMMON_SH], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "is sourced by the launchers beside it, not run" in proc.stderr
 
 
 @pytest.mark.parametrize("preset", sorted(MODEL_PRESETS))
@@ -329,7 +498,7 @@ def test_preset_flags_equal_preset(preset):
     common = ["--seq-length", "128", "--micro-batch-size", "1", "--train-iters", "1",
               "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
               "--vocab-size", "512"]
-    explicit = vars(parse_args(ex.preset_flags(preset) + common))
+    explicit = vars(parse_args(preset_flags(preset) + common))
     via_preset = vars(parse_args(["--model-preset", preset] + common))
     for dest in MODEL_PRESETS[preset]:
         if dest != "seq_length":
@@ -356,13 +525,15 @@ def test_cluster_launcher_commands(model, tmp_path):
         args = validated(flags, world)
         assert args.quant_scheme == scheme and args.train_iters == 7 and args.bf16
         assert args.save == args.load == str(tmp_path / "ckpt")
+        assert args.tensorboard_dir == str(tmp_path / "tb")
         assert args.num_layers == MODEL_PRESETS[spec.preset]["num_layers"]
         assert args.tensor_model_parallel_size == spec.tensor_parallel
         if data == "MOCK":
             assert args.mock_data and args.vocab_size == ex.LLAMA3_VOCAB_SIZE
         elif data == "wikipedia":
-            assert args.data_path == [os.path.join(REPO_ROOT, ex.data_prefix("wikipedia"))] or \
-                args.data_path[0].endswith("data/wikipedia/wikipedia_text_document")
+            assert args.data_path == [os.path.join(REPO_ROOT, "data", "wikipedia",
+                                                   "wikipedia_text_document")]
+            assert args.split == ex.DATA_SPLIT
         else:
             assert args.data_path == [data]
     assert not (tmp_path / "ckpt").exists()  # a dry run creates nothing
@@ -387,20 +558,26 @@ def test_cpu_launcher_commands(tmp_path):
 
 
 @pytest.mark.parametrize("positional,env,message", [
-    (["c", "t", "DEFAULT", "MOCK", "fp8"], {}, "unknown QUANT_SCHEME 'fp8'; valid: bf16"),
+    (["c", "t", "DEFAULT", "MOCK", "fp8"], {},
+     f"unknown QUANT_SCHEME 'fp8'; valid: {', '.join(SCHEMES)}"),
     (["c"], {}, "CHECKPOINT_PATH and TENSORBOARD_LOGS_PATH are required"),
     (["c", "t"], {"MODEL": "gpt2"}, "unknown MODEL 'gpt2'; valid: llama-tiny, deepseek-tiny"),
     (["c", "t"], {"NPROC": "two"}, "NPROC=two is not a positive integer"),
+    (["--help"], {"NPROC": "two"}, "NPROC=two is not a positive integer"),
 ])
 def test_launcher_errors(positional, env, message):
     proc = run_launcher("train_tiny_cpu.sh", positional, env=env)
-    assert proc.returncode == 2
-    assert message in proc.stderr
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: {message}") and len(proc.stderr.splitlines()) == 1
 
 
 def test_launchers_bash_syntax_and_help():
-    for name in ex.render_launchers():
+    assert subprocess.run(["bash", "-n", COMMON_SH]).returncode == 0
+    for name in launchers.render_launchers():
         path = os.path.join(LAUNCHERS, name)
         assert subprocess.run(["bash", "-n", path]).returncode == 0
         proc = subprocess.run(["bash", path, "--help"], capture_output=True, text=True)
         assert proc.returncode == 0 and "CHECKPOINT_PATH" in proc.stdout
+        # The help is the launcher's own header (common.sh prints it), not common.sh's.
+        assert proc.stdout.startswith("Pretrain ") and f"examples/llama/{name}" in proc.stdout
+        assert "set -euo" not in proc.stdout and "sourced, not run" not in proc.stdout

@@ -1,9 +1,10 @@
 #!/bin/bash
 # Pretrain Llama 3.2 1B (preset llama32-1b) on a GPU cluster with simulated low-precision GEMMs.
 #
-# GENERATED from megatron/training/experiments.py (the experiment matrix) by
+# GENERATED from the experiment matrix (megatron/training/experiments/) by
 #   python -m megatron.training.experiments --write-launchers
-# Edit experiments.py and regenerate; tests/test_experiments.py checks that this file is in sync.
+# Edit the matrix and regenerate; tests/test_experiments.py fails while this file is stale.
+# The bash all launchers share is in common.sh, beside this file.
 #
 # Usage:
 #   bash examples/llama/train_llama32_1b.sh CHECKPOINT_PATH TENSORBOARD_LOGS_PATH \
@@ -31,167 +32,26 @@
 # The 'fast' config and every other cell of the matrix: python train_config.py --list
 
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-export CUDA_DEVICE_MAX_CONNECTIONS=1
+# The names the positional arguments may take (from the experiment matrix).
+QUANT_SCHEMES=(bf16 FA_mxfp8 FA_mxfp4 FA_hifp8 linear_mxfp8 linear_mxfp4 linear_hifp8 FA_linear_mxfp8 FA_linear_mxfp4 FA_linear_hifp8)
+EMBEDDED_DATASETS=(wikipedia=wikipedia/wikipedia_text_document dolma=dolma/dolma_text_document)
+DATA_SPLIT=969,30,1
 
-SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-REPO_ROOT=$(cd "${SCRIPT_DIR}/../.." && pwd)
-PRETRAIN_SCRIPT_PATH="${REPO_ROOT}/pretrain_gpt.py"
+# The architecture (the flags of --model-preset llama32-1b); MOCK data's vocabulary.
+MODEL_ARGS=(--num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32 --group-query-attention --num-query-groups 8 --max-position-embeddings 131072 --position-embedding-type rope --rotary-base 500000 --rotary-percent 1.0 --use-rope-scaling --rope-scaling-factor 32.0 --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --disable-bias-linear --make-vocab-size-divisible-by 128 --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02)
 MOCK_VOCAB_SIZE=128256
 
+# The parallel layout; GPUS_PER_NODE from the environment wins.
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NUM_NODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
+MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --use-distributed-optimizer)
 
-usage() {
-    sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed -e '/^set -euo/d' -e 's/^# \{0,1\}//'
-}
-if [[ $# -ge 1 && ( $1 == -h || $1 == --help ) ]]; then
-    usage
-    exit 0
-fi
+# The 'standard' recipe; common.sh adds --save/--load CHECKPOINT_PATH and --tensorboard-dir
+# TENSORBOARD_LOGS_PATH to EVAL_AND_LOGGING_ARGS.
+TRAINING_ARGS=(--seq-length 8192 --micro-batch-size 1 --global-batch-size 512 --train-iters 6000 --lr 0.0003 --min-lr 3e-5 --lr-decay-style cosine --lr-decay-iters 6000 --lr-warmup-iters 500 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0)
+DTYPE_ARGS=(--bf16)
+DATA_LOADER_ARGS=(--num-workers 2)
+EVAL_AND_LOGGING_ARGS=(--log-interval 10 --eval-interval 500 --eval-iters 32 --save-interval 1000)
 
-# Positional arguments stop at the first flag; everything from there goes to pretrain_gpt.py.
-POSITIONAL=()
-while [[ $# -gt 0 && ${#POSITIONAL[@]} -lt 5 && $1 != -* ]]; do
-    POSITIONAL+=("$1")
-    shift
-done
-EXTRA_ARGS=("$@")
-if [[ ${#POSITIONAL[@]} -lt 2 ]]; then
-    echo "error: CHECKPOINT_PATH and TENSORBOARD_LOGS_PATH are required (see --help)" >&2
-    exit 2
-fi
-CHECKPOINT_PATH=${POSITIONAL[0]}
-TENSORBOARD_LOGS_PATH=${POSITIONAL[1]}
-TOKENIZER_ARG=${POSITIONAL[2]:-DEFAULT}
-DATA_ARG=${POSITIONAL[3]:-MOCK}
-QUANT_SCHEME=${POSITIONAL[4]:-bf16}
-
-case "${QUANT_SCHEME}" in
-    bf16|FA_mxfp8|FA_mxfp4|FA_hifp8|linear_mxfp8|linear_mxfp4|linear_hifp8|FA_linear_mxfp8|FA_linear_mxfp4|FA_linear_hifp8) ;;
-    *)
-        echo "error: unknown QUANT_SCHEME '${QUANT_SCHEME}'; valid: bf16, FA_mxfp8, FA_mxfp4, FA_hifp8, linear_mxfp8, linear_mxfp4, linear_hifp8, FA_linear_mxfp8, FA_linear_mxfp4, FA_linear_hifp8" >&2
-        exit 2
-        ;;
-esac
-
-if [[ ${TOKENIZER_ARG} == DEFAULT ]]; then
-    TOKENIZER_ARGS=(--tokenizer-type Llama3Tokenizer)
-elif [[ ${TOKENIZER_ARG} == *.json || -d ${TOKENIZER_ARG} ]]; then
-    TOKENIZER_ARGS=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_ARG}")
-else
-    TOKENIZER_ARGS=(--tokenizer-type Llama3Tokenizer --tokenizer-model "${TOKENIZER_ARG}")
-fi
-
-DATA_ROOT=${DATA_ROOT:-${REPO_ROOT}/data}
-case "${DATA_ARG}" in
-    MOCK)
-        DATA_ARGS_LIST=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${MOCK_VOCAB_SIZE}")
-        ;;
-    wikipedia)
-        DATA_ARGS_LIST=(--data-path "${DATA_ROOT}/wikipedia/wikipedia_text_document" --split 969,30,1 "${TOKENIZER_ARGS[@]}")
-        ;;
-    dolma)
-        DATA_ARGS_LIST=(--data-path "${DATA_ROOT}/dolma/dolma_text_document" --split 969,30,1 "${TOKENIZER_ARGS[@]}")
-        ;;
-    *)
-        DATA_ARGS_LIST=(--data-path "${DATA_ARG}" --split 969,30,1 "${TOKENIZER_ARGS[@]}")
-        ;;
-esac
-
-DISTRIBUTED_ARGS=(
-    --nproc-per-node "${GPUS_PER_NODE}"
-    --nnodes "${NUM_NODES}"
-    --node-rank "${NODE_RANK}"
-    --master-addr "${MASTER_ADDR}"
-    --master-port "${MASTER_PORT}"
-)
-
-MODEL_ARGS=(
-    --num-layers 16
-    --hidden-size 2048
-    --ffn-hidden-size 8192
-    --num-attention-heads 32
-    --group-query-attention
-    --num-query-groups 8
-    --max-position-embeddings 131072
-    --position-embedding-type rope
-    --rotary-base 500000
-    --rotary-percent 1.0
-    --use-rope-scaling
-    --rope-scaling-factor 32.0
-    --normalization RMSNorm
-    --norm-epsilon 1e-5
-    --swiglu
-    --disable-bias-linear
-    --make-vocab-size-divisible-by 128
-    --attention-dropout 0.0
-    --hidden-dropout 0.0
-    --init-method-std 0.02
-)
-
-TRAINING_ARGS=(
-    --seq-length 8192
-    --micro-batch-size 1
-    --global-batch-size 512
-    --train-iters 6000
-    --lr 0.0003
-    --min-lr 3e-5
-    --lr-decay-style cosine
-    --lr-decay-iters 6000
-    --lr-warmup-iters 500
-    --weight-decay 0.1
-    --adam-beta1 0.9
-    --adam-beta2 0.95
-    --clip-grad 1.0
-)
-
-DTYPE_ARGS=(
-    --bf16
-)
-
-MODEL_PARALLEL_ARGS=(
-    --tensor-model-parallel-size 1
-    --pipeline-model-parallel-size 1
-    --use-distributed-optimizer
-)
-
-DATA_LOADER_ARGS=(
-    --num-workers 2
-)
-
-EVAL_AND_LOGGING_ARGS=(
-    --log-interval 10
-    --eval-interval 500
-    --eval-iters 32
-    --save-interval 1000
-    --save "${CHECKPOINT_PATH}"
-    --load "${CHECKPOINT_PATH}"
-    --tensorboard-dir "${TENSORBOARD_LOGS_PATH}"
-)
-
-QUANT_ARGS=(
-    --quant-scheme "${QUANT_SCHEME}"
-)
-
-if [[ ! -f ${PRETRAIN_SCRIPT_PATH} ]]; then
-    echo "error: ${PRETRAIN_SCRIPT_PATH} not found" >&2
-    exit 1
-fi
-
-CMD=(
-    torchrun "${DISTRIBUTED_ARGS[@]}" "${PRETRAIN_SCRIPT_PATH}"
-    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DTYPE_ARGS[@]}"
-    "${MODEL_PARALLEL_ARGS[@]}" "${DATA_ARGS_LIST[@]}" "${DATA_LOADER_ARGS[@]}"
-    "${EVAL_AND_LOGGING_ARGS[@]}" "${QUANT_ARGS[@]}" "${EXTRA_ARGS[@]}"
-)
-if [[ ${DRY_RUN:-0} == 1 ]]; then
-    printf '%q ' "${CMD[@]}"
-    echo
-    exit 0
-fi
-mkdir -p "${CHECKPOINT_PATH}" "${TENSORBOARD_LOGS_PATH}"
-exec "${CMD[@]}"
+run_on_gpus "$@"
