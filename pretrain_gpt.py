@@ -15,7 +15,7 @@ from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
 
-from megatron.training.data import batch_to_device  # noqa: E402
+from megatron.training.batches import batch_to_device  # noqa: E402
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -43,6 +43,6 @@ def forward_step(data_iterator, model):
 
 
 if __name__ == "__main__":
-    from megatron.training.training import main
+    from megatron.training.cli import main
 
     sys.exit(main(forward_step))

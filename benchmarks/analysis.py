@@ -3,7 +3,7 @@
 
     python benchmarks/analysis.py --size-gb 1.0
 
-Generates a synthetic full-mode capture of about --size-gb (four quant types, bf16 records,
+Generates a synthetic full-mode capture of about --size-gb (four schemes, bf16 records,
 format-exact manifests; in a temporary directory unless --dir is given), then times, once
 with a warm page cache and once with the capture's files evicted from it:
 
@@ -38,7 +38,7 @@ from megatron.analysis import synthetic  # noqa: E402
 from megatron.analysis.loading import Problems, discover, read_capture  # noqa: E402
 from megatron.analysis.workers import run_batches  # noqa: E402
 
-QUANT_TYPES = ("bf16", "FA_linear_mxfp8", "linear_mxfp4", "FA_linear_hifp8")
+QUANT_SCHEMES = ("bf16", "FA_linear_mxfp8", "linear_mxfp4", "FA_linear_hifp8")
 
 
 def build_parser():
@@ -60,23 +60,23 @@ def build_parser():
 
 
 def _dims():
-    # One iteration of one quant type is ~110 MB of bf16 records at these sizes.
+    # One iteration of one scheme is ~110 MB of bf16 records at these sizes.
     return dict(layers=2, seq=256, batch=4, hidden=1024, ffn=2816, heads=8, groups=4)
 
 
 def generate(root: str, size_gb: float) -> None:
     dims = _dims()
     probe = os.path.join(root, "_probe")
-    synthetic.write_capture(probe, quant_types=("FA_linear_mxfp8",), iterations=(1,), **dims,
+    synthetic.write_capture(probe, quant_schemes=("FA_linear_mxfp8",), iterations=(1,), **dims,
                             reuse_tensors=True)
     per_iter = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(probe)
                    for f in fs)
     shutil.rmtree(probe)
-    iters = max(1, round(size_gb * 1e9 / (per_iter * len(QUANT_TYPES))))
-    print(f"generating {len(QUANT_TYPES)} quant types x {iters} iterations "
+    iters = max(1, round(size_gb * 1e9 / (per_iter * len(QUANT_SCHEMES))))
+    print(f"generating {len(QUANT_SCHEMES)} schemes x {iters} iterations "
           f"(~{per_iter / 1e6:.0f} MB each) into {root}", flush=True)
     t0 = time.perf_counter()
-    synthetic.write_capture(root, quant_types=QUANT_TYPES, iterations=range(1, iters + 1),
+    synthetic.write_capture(root, quant_schemes=QUANT_SCHEMES, iterations=range(1, iters + 1),
                             **dims, reuse_tensors=True)
     print(f"generated in {time.perf_counter() - t0:.1f} s", flush=True)
 

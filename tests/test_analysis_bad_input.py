@@ -106,11 +106,12 @@ def test_missing_directory_next_to_a_valid_one(capture, tmp_path):
     assert os.path.exists(os.path.join(out, "report.html"))
 
 
-def test_requested_quant_type_without_data(capture, tmp_path):
-    code, doc, _ = _run(tmp_path, "--tensor-dir", capture, "--quant-types", "bf16",
-                        "linear_hifp8")
+@pytest.mark.parametrize("flag", ["--quant-schemes", "--quant-types"])
+def test_requested_scheme_without_data(capture, tmp_path, flag):
+    code, doc, _ = _run(tmp_path, "--tensor-dir", capture, flag, "bf16", "linear_hifp8")
     assert code == 0
     assert list(doc["quant_types"]) == ["bf16"]
+    assert doc["inputs"]["quant_types_requested"] == ["bf16", "linear_hifp8"]
     assert _kinds(doc) == ["quant_type_without_data"]
     assert "linear_hifp8" in doc["problems"][0]["message"]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron.analysis import binning
-from megatron.analysis.accumulators import REGIONS
+from megatron.analysis.hifp8 import REGIONS
 from megatron.analysis.hifp8 import region_counts_from_hist
 from megatron.analysis.ranges import format_ranges
 from megatron.analysis.summarize import shared_exponents, summarize_tensors

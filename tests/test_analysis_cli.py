@@ -22,6 +22,15 @@ def test_script_help_runs():
     assert proc.returncode == 0 and "--tensor-dir" in proc.stdout and "--workers" in proc.stdout
 
 
+def test_quant_types_is_an_alias_of_quant_schemes():
+    parser = build_parser()
+    help_text = parser.format_help()
+    assert "--quant-schemes" in help_text and "--quant-types" in help_text
+    for flag in ("--quant-schemes", "--quant-types"):
+        args = parser.parse_args(["--tensor-dir", "x", flag, "bf16", "FA_linear_mxfp8"])
+        assert args.quant_schemes == ["bf16", "FA_linear_mxfp8"]
+
+
 def test_no_input_is_a_usage_error(capsys):
     from megatron.analysis.cli import main
 

@@ -1,6 +1,7 @@
 """The visualiser on a format-exact synthetic capture: outputs exist, and every statistic in
 statistics.json equals an independent float64 recomputation from the record tensors."""
 
+import csv
 import json
 import math
 import os
@@ -14,14 +15,14 @@ from megatron.analysis import synthetic
 from megatron.analysis.cli import main
 from megatron.analysis.statistics import load_json
 
-QUANT_TYPES = ("bf16", "FA_linear_mxfp8", "linear_mxfp4", "FA_linear_hifp8")
+QUANT_SCHEMES = ("bf16", "FA_linear_mxfp8", "linear_mxfp4", "FA_linear_hifp8")
 MX = {"mxfp8_e4m3": (8, 448.0), "mxfp8_e5m2": (15, 57344.0), "mxfp4": (2, 6.0)}
 
 
 @pytest.fixture(scope="module")
 def analysed(tmp_path_factory):
     root = tmp_path_factory.mktemp("capture")
-    synthetic.write_capture(str(root), QUANT_TYPES, layers=2, iterations=(1, 2), seq=8,
+    synthetic.write_capture(str(root), QUANT_SCHEMES, layers=2, iterations=(1, 2), seq=8,
                             hidden=64, ffn=96, seed=3)
     # One rceil run, so the recomputed scale rule is checked for both modes.
     synthetic.write_capture(str(root), ("linear_mxfp8",), layers=1, iterations=(1,), seq=8,
@@ -39,7 +40,7 @@ def test_outputs_written(analysed):
     for name in ("statistics.json", "statistics.txt", "report.html", "records.csv"):
         assert os.path.getsize(os.path.join(out, name)) > 0
     assert doc["schema_version"] == 1
-    assert set(doc["quant_types"]) == set(QUANT_TYPES) | {"linear_mxfp8"}
+    assert set(doc["quant_types"]) == set(QUANT_SCHEMES) | {"linear_mxfp8"}
     pngs = sorted(os.listdir(os.path.join(out, "figures")))
     for name in ("value_distributions.png", "mx_scale_exponents.png", "hifp8_regions.png",
                  "forward_backward.png", "format_overview.png",
@@ -55,6 +56,22 @@ def test_outputs_written(analysed):
     assert doc["consistency"]["records_mismatched"] == 0
     assert doc["consistency"]["records_checked"] > 0
     assert doc["problems"] == []
+
+
+def test_outputs_name_the_scheme_quant_type(analysed):
+    """The outputs keep the original system's name of the scheme, `quant_type`."""
+    _, out, doc = analysed
+    schemes = set(QUANT_SCHEMES) | {"linear_mxfp8"}
+    with open(os.path.join(out, "records.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert next(iter(rows[0])) == "quant_type"
+    assert {r["quant_type"] for r in rows} == schemes
+    assert "quant_scheme" not in rows[0]
+    assert {g["quant_type"] for g in doc["groups"]} == schemes
+    assert {h["quant_type"] for h in doc["histograms"]} <= schemes
+    assert {r["quant_type"] for r in doc["format_comparison"]} < schemes
+    assert "quant_types_requested" in doc["inputs"]
+    assert not any("quant_scheme" in key for g in doc["groups"] for key in g)
 
 
 # -- independent reference: plain float64 numpy over each record --------------------------------
@@ -129,10 +146,10 @@ def _reference(records):
 
 
 def _load_groups(root, doc):
-    """Records of every quant type's directory, keyed like statistics.json groups."""
+    """Records of every scheme's directory, keyed like statistics.json groups."""
     by_key = defaultdict(list)
-    for qt in doc["quant_types"]:
-        directory = os.path.join(root, qt)
+    for scheme in doc["quant_types"]:
+        directory = os.path.join(root, scheme)
         for line in open(next(os.path.join(directory, f) for f in os.listdir(directory)
                               if f.startswith("manifest-"))):
             entry = json.loads(line)
@@ -140,7 +157,7 @@ def _load_groups(root, doc):
             m = rec["metadata"]
             x = rec["tensor"].to(torch.float64).numpy()
             q = rec["quantized"].to(torch.float64).numpy() if "quantized" in rec else None
-            key = (qt, m["format"], m["layer_idx"], m["module"].rsplit(".", 1)[-1],
+            key = (scheme, m["format"], m["layer_idx"], m["module"].rsplit(".", 1)[-1],
                    m["tensor_name"], m["operation"], m["gemm"])
             by_key[key].append((x, q, m))
     return by_key
@@ -185,16 +202,16 @@ def test_group_statistics_match_float64_recomputation(analysed):
 def test_aggregate_statistics_match_float64_recomputation(analysed):
     root, _, doc = analysed
     records = _load_groups(str(root), doc)
-    for qt, section in doc["quant_types"].items():
-        mine = [r for k, recs in records.items() if k[0] == qt for r in recs]
+    for scheme, section in doc["quant_types"].items():
+        mine = [r for k, recs in records.items() if k[0] == scheme for r in recs]
         ref, quant_ref = _reference(mine)
         _check(section["overall"], ref, quant_ref)
         for fmt, metrics in section["by_format"].items():
-            subset = [r for k, recs in records.items() if k[0] == qt and k[1] == fmt
+            subset = [r for k, recs in records.items() if k[0] == scheme and k[1] == fmt
                       for r in recs]
             _check(metrics, *_reference(subset))
         for op, metrics in section["by_operation"].items():
-            subset = [r for k, recs in records.items() if k[0] == qt and k[5] == op
+            subset = [r for k, recs in records.items() if k[0] == scheme and k[5] == op
                       for r in recs]
             _check(metrics, *_reference(subset))
 
@@ -226,14 +243,14 @@ def test_manifest_only_mode_agrees(analysed, tmp_path):
                  "--no-figures", "--no-progress", "--workers", "1", "--log-level", "WARNING"])
     assert code == 0
     fast = load_json(os.path.join(tmp_path, "statistics.json"))
-    for qt, section in doc["quant_types"].items():
+    for scheme, section in doc["quant_types"].items():
         full_q = section["overall"]["quantization"]
-        fast_q = fast["quant_types"][qt]["overall"]["quantization"]
+        fast_q = fast["quant_types"][scheme]["overall"]["quantization"]
         if full_q is None:
             assert fast_q is None
             continue
         for name in ("mse", "sqnr_db", "saturated_fraction", "flushed_fraction"):
             assert fast_q[name] == pytest.approx(full_q[name], rel=1e-6, abs=1e-9)
         assert fast_q.get("scale_exponent") == full_q.get("scale_exponent")
-        assert fast["quant_types"][qt]["overall"]["mean"] == pytest.approx(
+        assert fast["quant_types"][scheme]["overall"]["mean"] == pytest.approx(
             section["overall"]["mean"], rel=1e-6, abs=1e-12)

@@ -8,7 +8,7 @@ import torch
 from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats, quantized_linear
 from megatron.quantization.observers import (
     GemmSite, observer_for, register_observer, unregister_observer)
-from megatron.tensor_capture import naming
+from megatron.tensor_capture import format as naming
 from megatron.tensor_capture.hooks import CaptureObserver
 from megatron.tensor_capture.policy import CapturePolicy, parse_kinds, parse_layers
 from megatron.training.arguments import ConfigError, parse_args, validate_args
@@ -34,7 +34,12 @@ class TestArguments:
         assert args.tensor_save_dir == "./enhanced_tensor_logs"
         assert (args.control_iter, args.collect_micro_batches) == (1, 1)
         assert args.tensor_save_mode == "full" and not args.tensor_save_continue_on_error
-        assert args.tensor_capture_layers is None and args.tensor_capture_filter is None
+        assert args.capture_config is None          # capture is off
+        args = validated(["--save-tensors"], monkeypatch)
+        config = args.capture_config
+        assert config.layers is None and config.name_filter is None
+        assert config.directory == os.path.join("./enhanced_tensor_logs", args.quant_scheme)
+        assert (config.queue_records, config.queue_bytes) == (256, 1 << 30)
 
     def test_environment_seeds_defaults_and_flags_win(self, monkeypatch):
         env = {"TENSOR_SAVE_ENABLED": "1", "TENSOR_SAVE_DIR": "/tmp/from-env"}

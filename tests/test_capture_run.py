@@ -28,7 +28,7 @@ RUN_ARGS = TINY_MOCK_ARGS + ["--train-iters", "5", "--quant-scheme", SCHEME, "--
 
 
 class ModelGrabber(TrainingCallback):
-    def on_train_start(self, args, model_chunks, iteration):
+    def on_train_start(self, model_chunks, iteration):
         self.chunks = model_chunks
 
 

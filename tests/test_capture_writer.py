@@ -2,6 +2,7 @@
 
 import errno
 import json
+import math
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 import pytest
 import torch
 
-from megatron.tensor_capture import writer as writer_module
+from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture.load import load_record, read_manifest, read_summaries
 from megatron.tensor_capture.records import CaptureItem, HostBufferPool
 from megatron.tensor_capture.writer import CaptureWriter
@@ -167,8 +168,10 @@ def test_manifest_reader_skips_a_truncated_last_line(tmp_path):
 
 
 def test_json_encoding_is_strict():
-    line = writer_module.json_line({"a": float("nan"), "b": [float("-inf"), 1.5]})
-    assert json.loads(line) == {"a": "nan", "b": ["-inf", 1.5]}
+    line = capture_format.json_line({"a": float("nan"), "b": [float("-inf"), 1.5]})
+    assert line == '{"a":"nan","b":["-inf",1.5]}\n'
+    decoded = capture_format.decode_nonfinite(json.loads(line))
+    assert math.isnan(decoded["a"]) and decoded["b"] == [-math.inf, 1.5]
 
 
 def test_killed_run_leaves_a_valid_manifest(tmp_path):

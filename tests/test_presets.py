@@ -28,7 +28,7 @@ def build_on_meta(args):
     config = core_transformer_config_from_args(args)
     config.perform_initialization = False
     with torch.device("meta"):
-        return build_gpt_model(args, config)
+        return build_gpt_model(args, config, args.quant_config)
 
 
 @pytest.mark.parametrize("name", ["llama32-1b", "llama31-8b", "deepseek2-lite"])
@@ -81,14 +81,14 @@ def _llama3_scaled_inv_freq(dim, base, factor, low=1.0, high=4.0, original=8192)
 @pytest.mark.parametrize("factor", [32.0, 8.0])
 def test_rope_scaling_factor_reaches_the_model(world_size_one, factor):
     args = preset_args("llama-tiny", "--rope-scaling-factor", str(factor), vocab=512)
-    model = build_gpt_model(args, core_transformer_config_from_args(args))
+    model = build_gpt_model(args, core_transformer_config_from_args(args), args.quant_config)
     expected = _llama3_scaled_inv_freq(args.kv_channels, args.rotary_base, factor)
     torch.testing.assert_close(model.rotary_pos_emb.inv_freq.double(), expected, rtol=1e-6, atol=0)
 
 
 def test_tiny_llama_keeps_llama_features(world_size_one):
     args = preset_args("llama-tiny", vocab=512)
-    model = build_gpt_model(args, core_transformer_config_from_args(args))
+    model = build_gpt_model(args, core_transformer_config_from_args(args), args.quant_config)
     attention = model.decoder.layers[0].self_attention
     assert attention.config.num_query_groups < attention.config.num_attention_heads  # GQA
     assert model.share_embeddings_and_output_weights  # tied, like Llama 3.2 1B
@@ -98,7 +98,7 @@ def test_tiny_llama_keeps_llama_features(world_size_one):
 
 def test_tiny_deepseek_has_mla_and_moe(world_size_one):
     args = preset_args("deepseek-tiny", vocab=512)
-    model = build_gpt_model(args, core_transformer_config_from_args(args))
+    model = build_gpt_model(args, core_transformer_config_from_args(args), args.quant_config)
     layers = model.decoder.layers
     assert all(isinstance(layer.self_attention, MLASelfAttention) for layer in layers)
     assert not isinstance(layers[0].mlp, MoELayer)  # dense first layer, as DeepSeek-V2-Lite

@@ -17,7 +17,7 @@ from megatron.quantization.observers import (
 )
 from megatron.quantization.schemes import SCHEMES, build_quant_config
 from megatron.training.model import core_transformer_config_from_args
-from megatron.training.modules import LocalDotProductAttention, causal_mask
+from megatron.quantization.local_attention import LocalDotProductAttention, causal_mask
 from megatron.training.training import TrainingCallback, pretrain
 
 from conftest import TINY_MOCK_ARGS
@@ -29,7 +29,7 @@ class _Count(TrainingCallback):
     def __init__(self):
         self.counter = QuantizationCounter()
 
-    def on_train_start(self, args, model_chunks, iteration):
+    def on_train_start(self, model_chunks, iteration):
         register_observer(self.counter)
 
     def on_train_end(self, exit_reason):

@@ -12,7 +12,8 @@ import pretrain_gpt
 from megatron.training import checkpointing
 from megatron.training.arguments import ConfigError
 from megatron.training.corpora import ensure_embedded_dataset
-from megatron.training.training import TrainingCallback, main, pretrain
+from megatron.training.cli import main
+from megatron.training.training import TrainingCallback, pretrain
 
 from conftest import REPO_ROOT, TINY_MOCK_ARGS
 

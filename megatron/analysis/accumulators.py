@@ -13,10 +13,10 @@ from typing import Dict, Optional
 import numpy as np
 
 from megatron.analysis.binning import bin_edges_log2
+from megatron.analysis.hifp8 import REGIONS, region_counts_from_hist
 
 SCALE_MIN, SCALE_MAX = -127, 127            # unbiased E8M0 exponents
 N_SCALE = SCALE_MAX - SCALE_MIN + 1
-REGIONS = ("underflow", "denormal", "mant1", "mant2", "mant3", "overflow")
 
 _SUM_FIELDS = (  # merged by addition
     "records", "bytes", "from_tensors", "n", "nan", "inf", "zeros", "s1", "s2", "s4",
@@ -91,8 +91,6 @@ class Stats:
 
     def region_counts(self) -> Optional[np.ndarray]:
         """HiFP8 region counts over finite nonzero x (histogram part + manifest part)."""
-        from megatron.analysis.hifp8 import region_counts_from_hist
-
         total = None
         if self.hist is not None:
             total = region_counts_from_hist(self.hist).astype(np.float64)

@@ -20,13 +20,16 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False)
     parser.add_argument("--tensor-dir", nargs="+", default=[], metavar="DIR",
                         help="Capture directories: a --tensor-save-dir (one sub-directory per "
-                             "quant type) or a single quant-type directory; several allowed.")
+                             "scheme) or a single scheme directory; several allowed.")
     parser.add_argument("--output-dir", default="reports/analysis", metavar="OUT",
                         help="Where to write the report, statistics and figures "
                              "(default: %(default)s).")
-    parser.add_argument("--quant-types", nargs="+", default=None, metavar="QT",
-                        help="Quant types (scheme names, e.g. bf16 FA_linear_mxfp8) to analyse; "
-                             "default: all found.")
+    # --quant-types is the original system's spelling, kept as an alias.
+    parser.add_argument("--quant-schemes", "--quant-types", dest="quant_schemes", nargs="+",
+                        default=None, metavar="SCHEME",
+                        help="Quantization schemes (e.g. bf16 FA_linear_mxfp8) to analyse; "
+                             "default: all found. --quant-types is an alias (the original "
+                             "name).")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                         help="Worker processes that read and summarise records in parallel "
                              "(default: %(default)s; 1 = in this process).")
@@ -37,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--operations", nargs="+", choices=("forward", "backward"),
                         default=None, help="Only forward or backward records.")
     parser.add_argument("--max-records", type=int, default=None, metavar="N",
-                        help="At most N records per quant type, evenly spread (a quick look at "
+                        help="At most N records per scheme, evenly spread (a quick look at "
                              "a large capture).")
     parser.add_argument("--manifest-only", action="store_true",
                         help="Use only the statistics in the manifests (no record files read): "
@@ -65,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from_args(args) -> Options:
     return Options(
         tensor_dirs=list(args.tensor_dir), output_dir=args.output_dir,
-        quant_types=args.quant_types, workers=max(1, args.workers),
+        quant_schemes=args.quant_schemes, workers=max(1, args.workers),
         progress=not args.no_progress, layers=parse_int_list(args.layers),
         iterations=parse_int_list(args.iterations), operations=args.operations,
         max_records=args.max_records, manifest_only=args.manifest_only,

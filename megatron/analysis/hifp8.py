@@ -21,8 +21,10 @@ from typing import List, Tuple
 
 import numpy as np
 
-from megatron.analysis.accumulators import REGIONS
 from megatron.analysis.binning import bin_index_of_value
+
+# HiFP8 precision regions, in the order of Stats.regions.
+REGIONS = ("underflow", "denormal", "mant1", "mant2", "mant3", "overflow")
 
 OVERFLOW = 1.25 * 2.0 ** 15
 UNDERFLOW = 2.0 ** -23

@@ -2,30 +2,30 @@
 
 A capture is read through its manifests only (docs/capture-format.md): every manifest line that
 parses names one complete record, so no directory listing or unpickling is needed to know what
-a capture holds. Accepted inputs: a `--tensor-save-dir` (one sub-directory per quant type), a
-single quant-type directory, or several of either.
-
-When the capture package provides `megatron.tensor_capture.load` (`load_record`,
-`read_manifest`), those are used; the readers here implement the same contract otherwise.
+a capture holds. Accepted inputs: a `--tensor-save-dir` (one sub-directory per scheme), a
+single scheme directory, or several of either. File names, the manifest schema and its
+encoding are megatron.tensor_capture.format's; records load through
+megatron.tensor_capture.load (weights_only=True).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
 
+from megatron.tensor_capture import format as capture_format
+from megatron.tensor_capture import load as capture_load
+from megatron.tensor_capture.format import MANIFEST_GLOB
+
 log = logging.getLogger("megatron.analysis")
 
-FORMAT_VERSIONS = (1,)
-MANIFEST_GLOB = "manifest-*.jsonl"
+FORMAT_VERSIONS = capture_format.READABLE_VERSIONS
 
 
 class Problems:
@@ -51,7 +51,7 @@ class Problems:
 class Entry:
     """One manifest line: a record of a capture (its file is None in stats mode)."""
 
-    quant_type: str
+    quant_scheme: str
     directory: str
     file: Optional[str]
     bytes: int
@@ -67,29 +67,21 @@ class Entry:
 
 @dataclass
 class Capture:
-    """One quant-type directory: its runs, per-rank summaries and manifest entries."""
+    """One scheme directory: its runs, per-rank summaries and manifest entries."""
 
     directory: str
-    quant_type: str
+    quant_scheme: str
     runs: List[dict] = field(default_factory=list)
     summaries: List[dict] = field(default_factory=list)
     entries: List[Entry] = field(default_factory=list)
 
 
-def _capture_loader():
-    try:
-        from megatron.tensor_capture import load as capture_load
-    except Exception:
-        return None
-    return capture_load
-
-
 def _is_capture_dir(path: str) -> bool:
-    return bool(glob.glob(os.path.join(glob.escape(path), MANIFEST_GLOB)))
+    return bool(capture_format.capture_files(path, MANIFEST_GLOB))
 
 
 def discover(paths: List[str], problems: Problems) -> List[str]:
-    """Quant-type directories (those holding manifests) found under the given paths."""
+    """Scheme directories (those holding manifests) found under the given paths."""
     found: List[str] = []
     for path in paths:
         if not os.path.exists(path):
@@ -101,7 +93,7 @@ def discover(paths: List[str], problems: Problems) -> List[str]:
         if _is_capture_dir(path):
             found.append(os.path.abspath(path))
             continue
-        subdirs = sorted(d for d in glob.glob(os.path.join(glob.escape(path), "*"))
+        subdirs = sorted(d for d in capture_format.capture_files(path, "*")
                          if os.path.isdir(d) and _is_capture_dir(d))
         if not subdirs:
             problems.add("empty_directory", f"no capture manifests ({MANIFEST_GLOB}) in {path} "
@@ -114,67 +106,37 @@ def discover(paths: List[str], problems: Problems) -> List[str]:
     return unique
 
 
-def _decode_nonfinite(value):
-    """The manifest writes inf/nan as strings; turn them back into floats."""
-    if isinstance(value, str) and value.lower() in ("inf", "+inf", "-inf", "nan", "infinity",
-                                                     "-infinity"):
-        return float(value)
-    if isinstance(value, dict):
-        return {k: _decode_nonfinite(v) for k, v in value.items()}
-    return value
-
-
 def read_manifest_file(path: str, problems: Problems) -> List[dict]:
-    """Parsed lines of one manifest; lines that do not parse (a killed run) are skipped."""
-    loader = _capture_loader()
-    if loader is not None and hasattr(loader, "read_manifest"):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            items = loader.read_manifest(path)
-        for warning in caught:
-            problems.add("truncated_manifest_line", f"{warning.message} (the rest of the "
-                                                    f"manifest is used)")
-        for number, item in enumerate(items, 1):
-            item["_source"] = f"{os.path.basename(path)} entry {number}"
-        return [item for item in items if isinstance(item, dict)]
-    lines = []
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError:
-                problems.add("truncated_manifest_line",
-                             f"{path}:{number}: skipping a manifest line that does not parse "
-                             f"(truncated by a killed run?)")
-                continue
-            if not isinstance(item, dict):
-                problems.add("bad_manifest_line", f"{path}:{number}: not a JSON object, skipped")
-                continue
-            item["_source"] = f"{os.path.basename(path)}:{number}"
-            lines.append(item)
-    return lines
+    """Parsed lines of one manifest; lines that do not parse (a killed run) are reported and
+    skipped, and the rest of the manifest is used."""
+    items = []
+    for number, item, problem in capture_format.parse_manifest(path):
+        if problem is not None:
+            kind, message = problem
+            problems.add(kind, f"{message} (the rest of the manifest is used)")
+            continue
+        item["_source"] = f"{os.path.basename(path)}:{number}"
+        items.append(item)
+    return items
 
 
 def _read_json(path: str, problems: Problems, kind: str) -> Optional[dict]:
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            return json.load(f)
+        return capture_format.read_json(path)
     except (OSError, json.JSONDecodeError) as exc:
         problems.add(kind, f"cannot read {path}: {exc}")
         return None
 
 
 def read_capture(directory: str, problems: Problems) -> Capture:
-    """Run files, summaries and manifest entries of one quant-type directory."""
-    capture = Capture(directory=directory, quant_type=os.path.basename(directory.rstrip("/")))
-    for path in sorted(glob.glob(os.path.join(glob.escape(directory), "run-*.json"))):
+    """Run files, summaries and manifest entries of one scheme directory."""
+    capture = Capture(directory=directory, quant_scheme=os.path.basename(directory.rstrip("/")))
+    for path in capture_format.capture_files(directory, capture_format.RUN_GLOB):
         run = _read_json(path, problems, "bad_run_file")
         if run is not None:
             capture.runs.append(run)
-            capture.quant_type = run.get("quant_type") or capture.quant_type
-    for path in sorted(glob.glob(os.path.join(glob.escape(directory), "summary-*.json"))):
+            capture.quant_scheme = run.get(capture_format.SCHEME_KEY) or capture.quant_scheme
+    for path in capture_format.capture_files(directory, capture_format.SUMMARY_GLOB):
         summary = _read_json(path, problems, "bad_summary_file")
         if summary is not None:
             summary["_file"] = os.path.basename(path)
@@ -182,15 +144,15 @@ def read_capture(directory: str, problems: Problems) -> Capture:
             if summary.get("error"):
                 problems.add("run_error", f"{path}: the capture reported an error: "
                                           f"{summary['error']}")
-    for path in sorted(glob.glob(os.path.join(glob.escape(directory), MANIFEST_GLOB))):
+    for path in capture_format.manifest_files(directory):
         for item in read_manifest_file(path, problems):
-            entry = _entry(item, directory, capture.quant_type, problems)
+            entry = _entry(item, directory, capture.quant_scheme, problems)
             if entry is not None:
                 capture.entries.append(entry)
     return capture
 
 
-def _entry(item: dict, directory: str, default_qt: str, problems: Problems) -> Optional[Entry]:
+def _entry(item: dict, directory: str, default_scheme: str, problems: Problems) -> Optional[Entry]:
     source = f"{directory}/{item.get('_source', '?')}"
     version = item.get("format_version")
     if version not in FORMAT_VERSIONS:
@@ -202,21 +164,31 @@ def _entry(item: dict, directory: str, default_qt: str, problems: Problems) -> O
     if not isinstance(metadata, dict):
         problems.add("bad_manifest_line", f"{source}: metadata is not an object; skipped")
         return None
+    nbytes = item.get("bytes") or 0
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        problems.add("bad_manifest_line", f"{source}: bytes {nbytes!r} is not a byte count; "
+                                          "skipped")
+        return None
+    file_name = item.get("file")
+    if file_name:
+        try:
+            capture_format.record_path(directory, file_name)
+        except ValueError as exc:
+            problems.add("bad_manifest_line", f"{source}: {exc}; skipped")
+            return None
+    tensor_info = item.get("tensor_info")
     quant_error = item.get("quant_error")
     return Entry(
-        quant_type=str(metadata.get("quant_type") or default_qt),
-        directory=directory, file=item.get("file"), bytes=int(item.get("bytes") or 0),
-        metadata=metadata, tensor_info=_decode_nonfinite(item.get("tensor_info") or {}),
-        quant_error=_decode_nonfinite(quant_error) if isinstance(quant_error, dict) else None,
+        quant_scheme=str(metadata.get(capture_format.SCHEME_KEY) or default_scheme),
+        directory=directory, file=file_name, bytes=nbytes, metadata=metadata,
+        tensor_info=tensor_info if isinstance(tensor_info, dict) else {},
+        quant_error=quant_error if isinstance(quant_error, dict) else None,
         source=source)
 
 
 def load_record(path: str) -> dict:
     """A record dict from its .pt file (weights_only: records hold only tensors and plain data)."""
-    loader = _capture_loader()
-    if loader is not None and hasattr(loader, "load_record"):
-        return loader.load_record(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return capture_load.load_record(path)
 
 
 def check_record(record, source: str) -> Optional[str]:

@@ -1,14 +1,13 @@
 """The analysis run: captures + loss logs -> statistics.json/.txt, records.csv, PNGs, report.html.
 
 `analyze(options)` never raises for bad input: problems (missing or empty directories,
-truncated manifest lines, unknown format versions, unreadable records, requested quant types
+truncated manifest lines, unknown format versions, unreadable records, requested schemes
 without data, unreadable loss logs) are logged, listed in statistics.json and the report, and
 whatever is valid is analysed. `AnalysisResult.produced` says whether anything was written.
 """
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 import time
@@ -29,7 +28,7 @@ class Options:
 
     tensor_dirs: List[str] = field(default_factory=list)
     output_dir: str = "reports/analysis"
-    quant_types: Optional[List[str]] = None
+    quant_schemes: Optional[List[str]] = None
     workers: int = 1
     progress: bool = True
     layers: Optional[List[int]] = None
@@ -74,10 +73,10 @@ def _wanted(label: str, wanted: List[str]) -> bool:
 
 
 def _select(entries, options: Options, problems: Problems):
-    """Entries passing the filters; --max-records keeps an even spread per quant type."""
+    """Entries passing the filters; --max-records keeps an even spread per scheme."""
     def keep(e):
         m = e.metadata
-        if options.quant_types and not _wanted(e.quant_type, options.quant_types):
+        if options.quant_schemes and not _wanted(e.quant_scheme, options.quant_schemes):
             return False
         if options.layers is not None and m.get("layer_idx") not in options.layers:
             return False
@@ -88,50 +87,40 @@ def _select(entries, options: Options, problems: Problems):
         return True
 
     chosen = [e for e in entries if keep(e)]
-    if options.quant_types:
-        found = {e.quant_type for e in chosen} | {e.quant_type.split("@")[0] for e in chosen}
-        for qt in options.quant_types:
-            if qt not in found:
-                problems.add("quant_type_without_data",
-                             f"quant type {qt} has no records in the given capture "
+    if options.quant_schemes:
+        found = ({e.quant_scheme for e in chosen}
+                 | {e.quant_scheme.split("@")[0] for e in chosen})
+        for scheme in options.quant_schemes:
+            if scheme not in found:
+                problems.add(statistics.SCHEME_WITHOUT_DATA,
+                             f"quant type {scheme} has no records in the given capture "
                              f"directories (after filters); it is left out")
     if options.max_records:
-        by_qt = {}
+        by_scheme = {}
         for e in chosen:
-            by_qt.setdefault(e.quant_type, []).append(e)
+            by_scheme.setdefault(e.quant_scheme, []).append(e)
         chosen = []
-        for qt, items in by_qt.items():
+        for items in by_scheme.values():
             step = max(1, len(items) // options.max_records)
             chosen.extend(items[::step][:options.max_records])
     return chosen
 
 
 def _disambiguate(captures) -> None:
-    """Captures of one quant type from different parent directories (e.g. a floor and an
-    rceil experiment) are kept apart as `quant_type@parent`; directories under the same
-    parent (several runs appended to one capture) are merged."""
+    """Captures of one scheme from different parent directories (e.g. a floor and an rceil
+    experiment) are kept apart as `scheme@parent`; directories under the same parent (several
+    runs appended to one capture) are merged."""
     parents = {}
     for capture in captures:
-        parents.setdefault(capture.quant_type, set()).add(
+        parents.setdefault(capture.quant_scheme, set()).add(
             os.path.dirname(capture.directory.rstrip("/")))
     for capture in captures:
-        if len(parents[capture.quant_type]) > 1:
+        if len(parents[capture.quant_scheme]) > 1:
             parent = os.path.basename(os.path.dirname(capture.directory.rstrip("/")))
-            label = f"{capture.quant_type}@{parent}"
-            capture.quant_type = label
+            label = f"{capture.quant_scheme}@{parent}"
+            capture.quant_scheme = label
             for entry in capture.entries:
-                entry.quant_type = label
-
-
-def _write_records_csv(path: str, rows: List[dict]) -> None:
-    if not rows:
-        return
-    fields = list(rows[0].keys())
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for row in sorted(rows, key=lambda r: (r["quant_type"], r.get("file") or "")):
-            writer.writerow(row)
+                entry.quant_scheme = label
 
 
 def analyze(options: Options) -> AnalysisResult:
@@ -169,10 +158,10 @@ def analyze(options: Options) -> AnalysisResult:
 
     os.makedirs(os.path.join(outdir, "figures"), exist_ok=True)
     figures = []
-    qts = statistics.quant_types_of(result.groups)
-    color_names = sorted(set(qts) | {c.name for c in curves})
+    schemes = statistics.quant_schemes_of(result.groups)
+    color_names = sorted(set(schemes) | {c.name for c in curves})
     if options.figures and result.groups:
-        figures = plots.make_all(result.groups, os.path.join(outdir, "figures"), qts,
+        figures = plots.make_all(result.groups, os.path.join(outdir, "figures"), schemes,
                                  workers=options.workers, color_names=color_names)
     losses_doc = None
     if curves:
@@ -184,7 +173,7 @@ def analyze(options: Options) -> AnalysisResult:
         if options.figures:
             fig = loss_mod.plot_losses(curves, options.loss_baseline,
                                        os.path.join(outdir, "figures"),
-                                       colors=plots.qt_colors(color_names))
+                                       colors=plots.scheme_colors(color_names))
             if fig:
                 figures.insert(0, fig)
     t_figures = time.perf_counter()
@@ -197,7 +186,7 @@ def analyze(options: Options) -> AnalysisResult:
               "bytes": result.bytes}
     inputs = {"tensor_dirs": list(options.tensor_dirs),
               "capture_dirs": [c.directory for c in captures],
-              "quant_types_requested": options.quant_types,
+              statistics.OUTPUT_REQUESTED_KEY: options.quant_schemes,
               "filters": {"layers": options.layers, "iterations": options.iterations,
                           "operations": options.operations, "max_records": options.max_records,
                           "manifest_only": options.manifest_only},
@@ -206,7 +195,7 @@ def analyze(options: Options) -> AnalysisResult:
     statistics.write_json(os.path.join(outdir, "statistics.json"), doc)
     with open(os.path.join(outdir, "statistics.txt"), "w", encoding="utf-8") as f:
         f.write(textreport.render(doc))
-    _write_records_csv(os.path.join(outdir, "records.csv"), result.rows)
+    statistics.write_records_csv(os.path.join(outdir, "records.csv"), result.rows)
     report.write(doc, outdir)
     log.info("wrote %s (statistics.json, statistics.txt, records.csv, report.html, %d figures) "
              "in %.1f s", outdir, len(figures), time.perf_counter() - t_start)

@@ -2,7 +2,7 @@
 
 Every function takes the merged per-group `Stats` (and options), writes one PNG into `outdir`
 and returns `{"file", "title", "caption"}` (or None when there is nothing to draw). Colours
-are fixed per quant type across figures. Uses matplotlib's Agg backend (no display needed).
+are fixed per scheme across figures. Uses matplotlib's Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from megatron.analysis import forking  # noqa: E402
 from megatron.analysis.accumulators import SCALE_MIN, Stats  # noqa: E402
 from megatron.analysis.binning import bin_edges_log2  # noqa: E402
 from megatron.analysis.hifp8 import SIDED_REGIONS, sided_counts_from_hist, zones_log2  # noqa: E402
@@ -51,9 +52,9 @@ def _rank(value: str, order) -> tuple:
     return (order.index(value) if value in order else len(order), value)
 
 
-def qt_colors(quant_types: Sequence[str]) -> Dict[str, tuple]:
+def scheme_colors(quant_schemes: Sequence[str]) -> Dict[str, tuple]:
     cmap = plt.get_cmap("tab10")
-    return {qt: cmap(i % 10) for i, qt in enumerate(sorted(quant_types))}
+    return {scheme: cmap(i % 10) for i, scheme in enumerate(sorted(quant_schemes))}
 
 
 def _save(fig, outdir: str, name: str) -> str:
@@ -142,7 +143,7 @@ def value_distributions(groups: Dict[GroupKey, Stats], outdir: str, colors) -> O
     fmts = _format_order({k.format for k in groups if k.format != "none"})
     if not fmts:
         return None
-    merged = merge_by(groups, lambda k: (k.format, k.quant_type, k.operation),
+    merged = merge_by(groups, lambda k: (k.format, k.quant_scheme, k.operation),
                       lambda k: k.format != "none")
     ncols = min(2, len(fmts))
     nrows = math.ceil(len(fmts) / ncols)
@@ -151,8 +152,8 @@ def value_distributions(groups: Dict[GroupKey, Stats], outdir: str, colors) -> O
     for ax, fmt in zip(axes.flat, fmts):
         r = format_ranges(fmt)
         mx = r.kind == "mx"
-        hists = {(qt, op): (s.scaled_hist if mx else s.hist)
-                 for (f, qt, op), s in merged.items() if f == fmt}
+        hists = {(scheme, op): (s.scaled_hist if mx else s.hist)
+                 for (f, scheme, op), s in merged.items() if f == fmt}
         span = _nonzero_span(list(hists.values())) or (-30, 20)
         if mx:
             xlim = (max(span[0], math.log2(r.min_subnormal) - 12), math.log2(r.max_normal) + 2)
@@ -163,13 +164,13 @@ def value_distributions(groups: Dict[GroupKey, Stats], outdir: str, colors) -> O
             zone_handles = _hifp8_zones(ax, xlim) if r.kind == "hifp8" else []
             ax.set_xlabel("log2|x|   [binades]")
         line_handles = []
-        for (qt, op), hist in sorted(hists.items()):
+        for (scheme, op), hist in sorted(hists.items()):
             if hist is None or not hist.any():
                 continue
-            _step(ax, hist, color=colors[qt], lw=1.6, ls="-" if op == "forward" else "--")
-            line_handles.append(plt.Line2D([], [], color=colors[qt],
+            _step(ax, hist, color=colors[scheme], lw=1.6, ls="-" if op == "forward" else "--")
+            line_handles.append(plt.Line2D([], [], color=colors[scheme],
                                            ls="-" if op == "forward" else "--",
-                                           label=f"{qt} ({_label(op)})"))
+                                           label=f"{scheme} ({_label(op)})"))
         ax.set_xlim(*xlim)
         ax.set_yscale("log")
         ax.set_ylim(bottom=1e-7)
@@ -196,26 +197,26 @@ def value_distributions(groups: Dict[GroupKey, Stats], outdir: str, colors) -> O
 
 
 def absolute_distributions(groups, outdir: str, colors) -> Optional[dict]:
-    """log2|x| per tensor class for every quant type, with HiF8's tapered regions for scale."""
-    merged = merge_by(groups, lambda k: (tensor_class(k.tensor_name), k.quant_type, k.operation))
+    """log2|x| per tensor class for every scheme, with HiF8's tapered regions for scale."""
+    merged = merge_by(groups, lambda k: (tensor_class(k.tensor_name), k.quant_scheme, k.operation))
     present = [c for c in _CLASSES if any(k[0] == c for k in merged)]
     if not present:
         return None
     fig, axes = plt.subplots(1, len(present), figsize=(5.4 * len(present), 5.2), squeeze=False,
                              layout="constrained")
     for ax, cls in zip(axes.flat, present):
-        hists = {(qt, op): s.hist for (c, qt, op), s in merged.items() if c == cls}
+        hists = {(scheme, op): s.hist for (c, scheme, op), s in merged.items() if c == cls}
         span = _nonzero_span(list(hists.values())) or (-30, 20)
         xlim = (max(span[0], -60), min(max(span[1], 0), 130))
         _hifp8_zones(ax, xlim, alpha=0.35)
         handles = []
-        for (qt, op), hist in sorted(hists.items()):
+        for (scheme, op), hist in sorted(hists.items()):
             if hist is None or not hist.any():
                 continue
             ls = "-" if op == "forward" else "--"
-            _step(ax, hist, color=colors[qt], lw=1.4, ls=ls)
-            handles.append(plt.Line2D([], [], color=colors[qt], ls=ls,
-                                      label=f"{qt} ({_label(op)})"))
+            _step(ax, hist, color=colors[scheme], lw=1.4, ls=ls)
+            handles.append(plt.Line2D([], [], color=colors[scheme], ls=ls,
+                                      label=f"{scheme} ({_label(op)})"))
         ax.set_xlim(*xlim)
         ax.set_yscale("log")
         ax.set_ylim(bottom=1e-7)
@@ -250,9 +251,10 @@ def _column_label(module: str, tensor: str) -> str:
     return f"{module}: {tensor}"
 
 
-def error_heatmap(groups, outdir: str, quant_type: str) -> Optional[dict]:
+def error_heatmap(groups, outdir: str, quant_scheme: str) -> Optional[dict]:
     """Layers x quantized operands, for SQNR, MSE, saturated and flushed fractions."""
-    mine = {k: v for k, v in groups.items() if k.quant_type == quant_type and k.format != "none"}
+    mine = {k: v for k, v in groups.items()
+            if k.quant_scheme == quant_scheme and k.format != "none"}
     if not mine:
         return None
     merged = merge_by(mine, lambda k: (k.layer, k.operation, k.module, k.tensor_name))
@@ -306,10 +308,10 @@ def error_heatmap(groups, outdir: str, quant_type: str) -> Optional[dict]:
                         [f"{_label(op)} · {_column_label(m, t)}" for op, m, t in columns],
                         rotation=60, ha="right", fontsize=8)
     axes[-1].set_xlabel("quantized operand (forward | backward, separated by the black line)")
-    fig.suptitle(f"{quant_type}: quantization error per layer and operand", fontsize=12)
-    safe = quant_type.replace("/", "_")
+    fig.suptitle(f"{quant_scheme}: quantization error per layer and operand", fontsize=12)
+    safe = quant_scheme.replace("/", "_")
     return {"file": _save(fig, outdir, f"error_heatmap_{safe}.png"),
-            "title": f"Quantization error heat map: {quant_type}",
+            "title": f"Quantization error heat map: {quant_scheme}",
             "caption": "Per layer (rows) and quantized operand (columns; forward operands left "
                        "of the black line, backward right): SQNR in dB (higher is better), "
                        "log10 of the mean squared error, and the percentages of elements "
@@ -320,8 +322,8 @@ def error_heatmap(groups, outdir: str, quant_type: str) -> Optional[dict]:
 # -- MX scale exponents -----------------------------------------------------------------------
 
 def scale_exponents(groups, outdir: str, colors) -> Optional[dict]:
-    """Histogram of MX shared (E8M0) exponents per tensor class, per quant type and operation."""
-    merged = merge_by(groups, lambda k: (tensor_class(k.tensor_name), k.quant_type, k.format,
+    """Histogram of MX shared (E8M0) exponents per tensor class, per scheme and operation."""
+    merged = merge_by(groups, lambda k: (tensor_class(k.tensor_name), k.quant_scheme, k.format,
                                          k.operation),
                       lambda k: format_ranges(k.format).kind == "mx")
     merged = {k: v for k, v in merged.items() if v.scale_hist is not None and v.scale_hist.any()}
@@ -334,18 +336,18 @@ def scale_exponents(groups, outdir: str, colors) -> Optional[dict]:
     handles = {}
     for ax, cls in zip(axes.flat, present):
         lo, hi = 127, -127
-        for (c, qt, fmt, op), s in merged.items():
+        for (c, scheme, fmt, op), s in merged.items():
             if c != cls:
                 continue
             h = s.scale_hist
             nz = np.flatnonzero(h)
             lo, hi = min(lo, exps[nz[0]]), max(hi, exps[nz[-1]])
             ls = "-" if op == "forward" else "--"
-            label = f"{qt} {fmt} ({_label(op)})"
+            label = f"{scheme} {fmt} ({_label(op)})"
             if s.nan_blocks:
                 label += f", {s.nan_blocks} NaN blocks"
             line = ax.stairs(h / h.sum(), np.append(exps, exps[-1] + 1) - 0.5,
-                             color=colors[qt], lw=1.5, ls=ls, label=label)
+                             color=colors[scheme], lw=1.5, ls=ls, label=label)
             handles.setdefault(label, line)
         ax.set_xlim(lo - 2, hi + 2)
         for limit in (-127, 127):
@@ -375,21 +377,21 @@ def scale_exponents(groups, outdir: str, colors) -> Optional[dict]:
 def hifp8_regions(groups, outdir: str) -> Optional[dict]:
     """Stacked bars: share of values in each HiF8 precision region, per tensor class.
 
-    Rows: the HiF8-quantized operands of every HiFP8 quant type, then the same classes of one
-    reference quant type (bf16 if captured) as they would land if cast to HiF8 unscaled.
+    Rows: the HiF8-quantized operands of every HiFP8 scheme, then the same classes of one
+    reference scheme (bf16 if captured) as they would land if cast to HiF8 unscaled.
     """
-    merged = merge_by(groups, lambda k: (k.quant_type, tensor_class(k.tensor_name), k.operation,
+    merged = merge_by(groups, lambda k: (k.quant_scheme, tensor_class(k.tensor_name), k.operation,
                                          k.format == "hifp8"))
     merged = {k: v for k, v in merged.items() if v.hist is not None and v.hist.any()}
-    hif8_qts = sorted({k[0] for k in merged if k[3]})
-    others = sorted({k[0] for k in merged if not k[3]} - set(hif8_qts))
+    hif8_schemes = sorted({k[0] for k in merged if k[3]})
+    others = sorted({k[0] for k in merged if not k[3]} - set(hif8_schemes))
     reference = "bf16" if "bf16" in others else (others[0] if others else None)
     rows = []
-    for (qt, cls, op, is_hif8), s in merged.items():
+    for (scheme, cls, op, is_hif8), s in merged.items():
         if is_hif8:
-            label = f"{qt} · {cls} ({_label(op)}) · HiF8 operands"
-        elif qt == reference:
-            label = f"{qt} · {cls} ({_label(op)}) · if cast to HiF8"
+            label = f"{scheme} · {cls} ({_label(op)}) · HiF8 operands"
+        elif scheme == reference:
+            label = f"{scheme} · {cls} ({_label(op)}) · if cast to HiF8"
         else:
             continue
         counts = sided_counts_from_hist(s.hist)
@@ -427,31 +429,32 @@ def hifp8_regions(groups, outdir: str) -> Optional[dict]:
 # -- forward vs backward ----------------------------------------------------------------------
 
 def forward_backward(groups, outdir: str, colors) -> Optional[dict]:
-    """SQNR and saturated/flushed shares of quantized operands per GEMM, per quant type."""
-    merged = merge_by(groups, lambda k: (k.quant_type, k.gemm or k.operation),
+    """SQNR and saturated/flushed shares of quantized operands per GEMM, per scheme."""
+    merged = merge_by(groups, lambda k: (k.quant_scheme, k.gemm or k.operation),
                       lambda k: k.format != "none")
     if not merged:
         return None
-    qts = sorted({k[0] for k in merged})
+    schemes = sorted({k[0] for k in merged})
     gemms = [g for g in ("fprop", "dgrad", "wgrad") if any(k[1] == g for k in merged)]
     gemms += sorted({k[1] for k in merged} - set(gemms))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), layout="constrained")
-    width = 0.8 / max(1, len(qts))
+    width = 0.8 / max(1, len(schemes))
     x = np.arange(len(gemms))
-    for i, qt in enumerate(qts):
+    for i, scheme in enumerate(schemes):
         vals = {name: [] for name in ("sqnr_db", "saturated_fraction", "flushed_fraction")}
         for g in gemms:
-            q = (merged[(qt, g)].metrics()["quantization"] or {}) if (qt, g) in merged else {}
+            s = merged.get((scheme, g))
+            q = (s.metrics()["quantization"] or {}) if s is not None else {}
             for name in vals:
                 v = q.get(name)
                 vals[name].append(np.nan if v is None or (isinstance(v, float)
                                                           and math.isinf(v)) else v)
         pos = x - 0.4 + width * (i + 0.5)
-        axes[0].bar(pos, vals["sqnr_db"], width, color=colors[qt], label=qt)
+        axes[0].bar(pos, vals["sqnr_db"], width, color=colors[scheme], label=scheme)
         axes[1].bar(pos, 100 * np.array(vals["saturated_fraction"], float), width,
-                    color=colors[qt], label=qt)
+                    color=colors[scheme], label=scheme)
         axes[2].bar(pos, 100 * np.array(vals["flushed_fraction"], float), width,
-                    color=colors[qt], label=qt)
+                    color=colors[scheme], label=scheme)
     titles = ("SQNR of quantized operands [dB]", "saturated elements [%]",
               "nonzero elements flushed to zero [%]")
     gemm_names = {"fprop": "fprop (forward)", "dgrad": "dgrad (backward)",
@@ -474,20 +477,20 @@ def forward_backward(groups, outdir: str, colors) -> Optional[dict]:
 
 
 def forward_backward_layers(groups, outdir: str, colors) -> Optional[dict]:
-    """Per layer: SQNR of forward vs backward quantized operands, per quant type."""
-    merged = merge_by(groups, lambda k: (k.quant_type, k.operation, k.layer),
+    """Per layer: SQNR of forward vs backward quantized operands, per scheme."""
+    merged = merge_by(groups, lambda k: (k.quant_scheme, k.operation, k.layer),
                       lambda k: k.format != "none")
     if not merged:
         return None
     fig, ax = plt.subplots(figsize=(10, 4.4), layout="constrained")
-    for qt in sorted({k[0] for k in merged}):
+    for scheme in sorted({k[0] for k in merged}):
         for op, ls, marker in (("forward", "-", "o"), ("backward", "--", "s")):
             pts = sorted((k[2], s.metrics()["quantization"]["sqnr_db"])
-                         for k, s in merged.items() if k[0] == qt and k[1] == op)
+                         for k, s in merged.items() if k[0] == scheme and k[1] == op)
             pts = [(l, v) for l, v in pts if v is not None and math.isfinite(v)]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=marker,
-                        color=colors[qt], label=f"{qt} ({_label(op)})")
+                        color=colors[scheme], label=f"{scheme} ({_label(op)})")
     layers = sorted({k[2] for k in merged})
     ax.set_xticks(layers, ["output" if l == 0 else f"L{l}" for l in layers])
     ax.set_xlabel("layer")
@@ -505,7 +508,7 @@ def forward_backward_layers(groups, outdir: str, colors) -> Optional[dict]:
 
 def layer_absmax(groups, outdir: str, colors) -> Optional[dict]:
     """Largest |x| per layer and tensor class (outlier growth across depth)."""
-    merged = merge_by(groups, lambda k: (tensor_class(k.tensor_name), k.quant_type, k.layer))
+    merged = merge_by(groups, lambda k: (tensor_class(k.tensor_name), k.quant_scheme, k.layer))
     present = [c for c in _CLASSES if any(k[0] == c for k in merged)]
     if not present:
         return None
@@ -514,13 +517,13 @@ def layer_absmax(groups, outdir: str, colors) -> Optional[dict]:
     handles = {}
     for ax, cls in zip(axes.flat, present):
         values = []
-        for qt in sorted({k[1] for k in merged if k[0] == cls}):
+        for scheme in sorted({k[1] for k in merged if k[0] == cls}):
             pts = sorted((k[2], s.absmax) for k, s in merged.items()
-                         if k[0] == cls and k[1] == qt and s.absmax > 0)
+                         if k[0] == cls and k[1] == scheme and s.absmax > 0)
             if pts:
                 (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                                  color=colors[qt], label=qt)
-                handles.setdefault(qt, line)
+                                  color=colors[scheme], label=scheme)
+                handles.setdefault(scheme, line)
                 values += [p[1] for p in pts]
         layers = sorted({k[2] for k in merged if k[0] == cls})
         ax.set_xticks(layers, ["out" if l == 0 else f"L{l}" for l in layers])
@@ -543,8 +546,8 @@ def layer_absmax(groups, outdir: str, colors) -> Optional[dict]:
 # -- format overview --------------------------------------------------------------------------
 
 def format_overview(groups, outdir: str, colors) -> Optional[dict]:
-    """Headline: SQNR per quant type and format, forward and backward."""
-    merged = merge_by(groups, lambda k: (k.quant_type, k.format, k.operation),
+    """Headline: SQNR per scheme and format, forward and backward."""
+    merged = merge_by(groups, lambda k: (k.quant_scheme, k.format, k.operation),
                       lambda k: k.format != "none")
     if not merged:
         return None
@@ -553,17 +556,17 @@ def format_overview(groups, outdir: str, colors) -> Optional[dict]:
     x = np.arange(len(labels))
     for j, (op, hatch) in enumerate((("forward", None), ("backward", "//"))):
         vals = []
-        for qt, fmt in labels:
-            s = merged.get((qt, fmt, op))
+        for scheme, fmt in labels:
+            s = merged.get((scheme, fmt, op))
             v = (s.metrics()["quantization"] or {}).get("sqnr_db") if s else None
             vals.append(np.nan if v is None or math.isinf(v) else v)
-        bars = ax.bar(x - 0.2 + 0.4 * j, vals, 0.4, color=[colors[qt] for qt, _ in labels],
+        bars = ax.bar(x - 0.2 + 0.4 * j, vals, 0.4, color=[colors[scheme] for scheme, _ in labels],
                       hatch=hatch, edgecolor="black", lw=0.5, label=op)
         for b, v in zip(bars, vals):
             if np.isfinite(v):
                 ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center",
                         va="bottom", fontsize=8)
-    ax.set_xticks(x, [f"{qt}\n{fmt}" for qt, fmt in labels], fontsize=8)
+    ax.set_xticks(x, [f"{scheme}\n{fmt}" for scheme, fmt in labels], fontsize=8)
     ax.set_ylabel("SQNR [dB]")
     ax.set_xlabel("quant type / element format")
     ax.grid(axis="y", alpha=0.3, lw=0.5)
@@ -578,7 +581,7 @@ def format_overview(groups, outdir: str, colors) -> Optional[dict]:
                        "(hatched). Each 6 dB is one more effective bit."}
 
 
-# Figures in report order: (function, passes colours, per quant type).
+# Figures in report order: (function, passes colours, one per scheme).
 _FIGURES = (
     ("format_overview", True, False), ("value_distributions", True, False),
     ("absolute_distributions", True, False), ("error_heatmap", False, True),
@@ -598,23 +601,21 @@ def _render(task):
     return fn(groups, outdir, colors) if arg is True else fn(groups, outdir)
 
 
-def make_all(groups, outdir: str, quant_types: Sequence[str], workers: int = 1,
+def make_all(groups, outdir: str, quant_schemes: Sequence[str], workers: int = 1,
              color_names: Optional[Sequence[str]] = None) -> List[dict]:
     """Every capture figure, in report order (losses are drawn by losses.plot_losses).
 
     Figures are independent, so with workers > 1 they are drawn in forked processes.
-    `color_names`: every name that gets a colour (quant types and loss runs), so one scheme
+    `color_names`: every name that gets a colour (schemes and loss runs), so one scheme
     has the same colour in every figure.
     """
-    from megatron.analysis import forking
-
     os.makedirs(outdir, exist_ok=True)
     _SHARED.update(groups=groups, outdir=outdir,
-                   colors=qt_colors(color_names or quant_types))
+                   colors=scheme_colors(color_names or quant_schemes))
     tasks = []
-    for name, with_colors, per_qt in _FIGURES:
-        if per_qt:
-            tasks.extend((name, qt) for qt in sorted(quant_types))
+    for name, with_colors, per_scheme in _FIGURES:
+        if per_scheme:
+            tasks.extend((name, scheme) for scheme in sorted(quant_schemes))
         else:
             tasks.append((name, with_colors))
     try:

@@ -1,6 +1,6 @@
 """Representable ranges of the simulated element formats, for range markers and saturation.
 
-`format_ranges(name)` returns the format library's `format_info` when it is importable, and
+`format_ranges(name)` returns the format library's `format_info` for the formats it knows, and
 otherwise an identical description from the table below (values from the format design notes:
 OCP E4M3 / E5M2 / E2M1 elements of MX blocks, and HiFloat8's tapered layout). Analysis code
 only reads the fields listed in `FormatRanges`.
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
+
+from megatron.quantization.formats import canonical_format, format_info
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,7 @@ _ALIASES = {
 
 
 def _from_library(name: str) -> Optional[FormatRanges]:
-    try:  # the format library is the authority once it is installed
-        from megatron.quantization.formats import canonical_format, format_info
-    except Exception:
-        return None
+    """The format library is the authority on every format it knows."""
     try:
         info = format_info(canonical_format(name))
     except Exception:

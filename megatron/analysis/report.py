@@ -8,6 +8,8 @@ import math
 import os
 from typing import List, Sequence
 
+from megatron.analysis.statistics import OUTPUT_SCHEME_KEY, OUTPUT_SCHEMES_KEY
+
 _CSS = """
 body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 2em auto;
        max-width: 1200px; color: #212529; line-height: 1.45; padding: 0 1em; }
@@ -77,13 +79,13 @@ def render(doc: dict, outdir: str) -> str:
                      + "".join(f"<li>{html.escape(p['message'])}</li>" for p in problems[:50])
                      + ("<li>... see statistics.json</li>" if len(problems) > 50 else "")
                      + "</ul>")
-    qts = doc.get("quant_types") or {}
-    if qts:
+    schemes = doc.get(OUTPUT_SCHEMES_KEY) or {}
+    if schemes:
         rows = []
-        for qt, sec in qts.items():
+        for scheme, sec in schemes.items():
             cap, overall = sec["capture"], sec["overall"] or {}
             quant = (sec.get("quantized") or {}).get("quantization") or {}
-            rows.append([html.escape(qt), _fmt(cap["manifest_records"], "int"),
+            rows.append([html.escape(scheme), _fmt(cap["manifest_records"], "int"),
                          _fmt(overall.get("records_with_tensors"), "int"),
                          _fmt(overall.get("elements"), "int"), _fmt(overall.get("absmax")),
                          _fmt(quant.get("sqnr_db"), "db"),
@@ -94,7 +96,7 @@ def render(doc: dict, outdir: str) -> str:
                           "SQNR dB (quantized)", "saturated", "flushed"], rows)]
     comp = doc.get("format_comparison") or []
     if comp:
-        rows = [[html.escape(r["quant_type"]), html.escape(r["format"]),
+        rows = [[html.escape(r[OUTPUT_SCHEME_KEY]), html.escape(r["format"]),
                  html.escape(r["operation"]), _fmt(r["records"], "int"),
                  _fmt(r["sqnr_db"], "db"), _fmt(r["mse"]), _fmt(r["relative_error"]),
                  _fmt(r["saturated_fraction"], "pct"), _fmt(r["flushed_fraction"], "pct"),
@@ -115,11 +117,11 @@ def render(doc: dict, outdir: str) -> str:
                           "compared at", "gap", "relative gap", "validation loss",
                           "validation gap"], rows)]
     region_rows = []
-    for qt, sec in qts.items():
+    for scheme, sec in schemes.items():
         for cls, m in (sec.get("by_tensor_class") or {}).items():
             regions = m.get("hifp8_regions")
             if regions:
-                region_rows.append([html.escape(qt), html.escape(cls)] + [
+                region_rows.append([html.escape(scheme), html.escape(cls)] + [
                     _fmt(regions[k], "pct") for k in ("underflow", "denormal", "mant1",
                                                       "mant2", "mant3", "overflow")])
     if region_rows:

@@ -1,4 +1,5 @@
-"""Aggregation of per-group `Stats` into the statistics.json document and statistics.txt.
+"""Aggregation of per-group `Stats` into the statistics.json document; writers of
+statistics.json and records.csv.
 
 The schema is documented in docs/analysis.md; `SCHEMA_VERSION` changes whenever a field
 changes meaning or disappears. Non-finite floats are written as the strings "inf", "-inf" and
@@ -7,6 +8,7 @@ changes meaning or disappears. Non-finite floats are written as the strings "inf
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections import OrderedDict
@@ -23,6 +25,24 @@ from megatron.analysis.workers import KEY_FIELDS, GroupKey
 SCHEMA_VERSION = 1
 OPERATIONS = ("forward", "backward")
 GEMMS = ("fprop", "dgrad", "wgrad")
+
+# Inside the analysis the quantization scheme (`--quant-scheme`) is `quant_scheme`. The outputs
+# (statistics.json, records.csv, and statistics.txt and report.html, rendered from
+# statistics.json) keep the original system's name for it, `quant_type`, which users and
+# scripts already read (table headings, captions and messages say "quant type"). These are the
+# output names; the internal name is mapped to them only where a document or file is written.
+OUTPUT_SCHEME_KEY = "quant_type"          # groups, format_comparison, histograms, records.csv
+OUTPUT_SCHEMES_KEY = "quant_types"        # the per-scheme sections
+OUTPUT_REQUESTED_KEY = "quant_types_requested"     # inputs: the schemes asked for
+SCHEME_WITHOUT_DATA = "quant_type_without_data"    # problem kind: a requested scheme has none
+
+
+def output_field(name: str) -> str:
+    """The output name of a group field or records.csv column."""
+    return OUTPUT_SCHEME_KEY if name == "quant_scheme" else name
+
+
+OUTPUT_KEY_FIELDS = tuple(output_field(name) for name in KEY_FIELDS)
 
 
 def merge_by(groups: Dict[GroupKey, Stats], project: Callable[[GroupKey], object],
@@ -54,17 +74,17 @@ def tensor_class(tensor_name: str) -> str:
     return "activation"
 
 
-def quant_types_of(groups: Dict[GroupKey, Stats]) -> List[str]:
-    return sorted({k.quant_type for k in groups})
+def quant_schemes_of(groups: Dict[GroupKey, Stats]) -> List[str]:
+    return sorted({k.quant_scheme for k in groups})
 
 
 def _metrics_map(merged) -> Dict[str, dict]:
     return {str(label): stats.metrics() for label, stats in merged.items()}
 
 
-def quant_type_section(groups: Dict[GroupKey, Stats], qt: str) -> dict:
-    """Aggregates of one quant type at the levels researchers compare."""
-    mine = {k: v for k, v in groups.items() if k.quant_type == qt}
+def quant_scheme_section(groups: Dict[GroupKey, Stats], quant_scheme: str) -> dict:
+    """Aggregates of one scheme at the levels researchers compare."""
+    mine = {k: v for k, v in groups.items() if k.quant_scheme == quant_scheme}
     quantized = lambda k: k.format != "none"  # noqa: E731
     overall = merge_by(mine, lambda k: "all")
     section = {
@@ -85,18 +105,18 @@ def quant_type_section(groups: Dict[GroupKey, Stats], qt: str) -> dict:
 
 
 def histogram_entries(groups: Dict[GroupKey, Stats]) -> List[dict]:
-    """Compact |x|, |q| and MX-scaled histograms per (quant type, format, operation)."""
+    """Compact |x|, |q| and MX-scaled histograms per (scheme, format, operation)."""
     edges = bin_edges_log2()
     out = []
-    merged = merge_by(groups, lambda k: (k.quant_type, k.format, k.operation))
-    for (qt, fmt, op), stats in merged.items():
+    merged = merge_by(groups, lambda k: (k.quant_scheme, k.format, k.operation))
+    for (scheme, fmt, op), stats in merged.items():
         for kind, hist in (("abs", stats.hist), ("quantized_abs", stats.q_hist),
                            ("mx_scaled_abs", stats.scaled_hist)):
             if hist is None or not hist.any():
                 continue
             nz = np.flatnonzero(hist)
             lo, hi = int(nz[0]), int(nz[-1]) + 1
-            out.append({"quant_type": qt, "format": fmt, "operation": op, "kind": kind,
+            out.append({OUTPUT_SCHEME_KEY: scheme, "format": fmt, "operation": op, "kind": kind,
                         "first_bin": lo, "first_edge_log2": float(edges[lo]),
                         "counts": [int(c) for c in hist[lo:hi]]})
     return out
@@ -117,7 +137,7 @@ def build(result, captures, problems, inputs: dict, losses: Optional[dict] = Non
           figures: Optional[List[dict]] = None, timing: Optional[dict] = None) -> dict:
     """The statistics.json document (see docs/analysis.md)."""
     groups = result.groups
-    qts = quant_types_of(groups)
+    schemes = quant_schemes_of(groups)
     formats = sorted({k.format for k in groups})
     doc = OrderedDict()
     doc["schema_version"] = SCHEMA_VERSION
@@ -128,14 +148,14 @@ def build(result, captures, problems, inputs: dict, losses: Optional[dict] = Non
         "bin": "bin i = (E - e_min) * 4 + k holds |x| in [2^E (1 + k/4), 2^E (1 + (k+1)/4))",
     }
     doc["formats"] = {f: _format_dict(f) for f in formats}
-    doc["quant_types"] = OrderedDict()
-    for qt in qts:
+    doc[OUTPUT_SCHEMES_KEY] = OrderedDict()
+    for scheme in schemes:
         section = OrderedDict()
-        section["capture"] = _capture_summary(qt, captures, result)
-        section.update(quant_type_section(groups, qt))
-        doc["quant_types"][qt] = section
+        section["capture"] = _capture_summary(scheme, captures, result)
+        section.update(quant_scheme_section(groups, scheme))
+        doc[OUTPUT_SCHEMES_KEY][scheme] = section
     doc["format_comparison"] = format_comparison(groups)
-    doc["groups"] = [dict(zip(KEY_FIELDS, key), metrics=stats.metrics())
+    doc["groups"] = [dict(zip(OUTPUT_KEY_FIELDS, key), metrics=stats.metrics())
                      for key, stats in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))]
     doc["histograms"] = histogram_entries(groups)
     doc["losses"] = losses
@@ -147,14 +167,14 @@ def build(result, captures, problems, inputs: dict, losses: Optional[dict] = Non
 
 
 def format_comparison(groups: Dict[GroupKey, Stats]) -> List[dict]:
-    """One row per (quant type, format, operation) of quantized operands: the headline table."""
+    """One row per (scheme, format, operation) of quantized operands: the headline table."""
     rows = []
-    merged = merge_by(groups, lambda k: (k.quant_type, k.format, k.operation),
+    merged = merge_by(groups, lambda k: (k.quant_scheme, k.format, k.operation),
                       lambda k: k.format != "none")
-    for (qt, fmt, op), stats in merged.items():
+    for (scheme, fmt, op), stats in merged.items():
         m = stats.metrics()
         q = m["quantization"] or {}
-        rows.append({"quant_type": qt, "format": fmt, "operation": op,
+        rows.append({OUTPUT_SCHEME_KEY: scheme, "format": fmt, "operation": op,
                      "records": m["records"], "elements": m["elements"],
                      "sqnr_db": q.get("sqnr_db"), "mse": q.get("mse"),
                      "relative_error": q.get("relative_error"),
@@ -171,8 +191,8 @@ def _format_dict(name: str) -> dict:
             "min_subnormal": r.min_subnormal, "mantissa_bits": r.mantissa_bits}
 
 
-def _capture_summary(qt: str, captures, result) -> dict:
-    mine = [c for c in captures if c.quant_type == qt]
+def _capture_summary(quant_scheme: str, captures, result) -> dict:
+    mine = [c for c in captures if c.quant_scheme == quant_scheme]
     runs = []
     for capture in mine:
         for run in capture.runs:
@@ -184,7 +204,7 @@ def _capture_summary(qt: str, captures, result) -> dict:
         "directories": [c.directory for c in mine],
         "runs": runs,
         "manifest_records": sum(len(c.entries) for c in mine),
-        "analysed_records": sum(1 for r in result.rows if r["quant_type"] == qt),
+        "analysed_records": sum(1 for r in result.rows if r["quant_scheme"] == quant_scheme),
         "writer_summaries": {
             "ranks": len(summaries),
             "records": sum(int(s.get("records") or 0) for s in summaries),
@@ -220,6 +240,19 @@ def write_json(path: str, doc: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(json_safe(doc), f, indent=1, allow_nan=False)
         f.write("\n")
+
+
+def write_records_csv(path: str, rows: List[dict]) -> None:
+    """records.csv: one line per record row (workers' `_row`), columns in the rows' key order
+    under their output names."""
+    if not rows:
+        return
+    fields = list(rows[0].keys())
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow([output_field(name) for name in fields])
+        for row in sorted(rows, key=lambda r: (r["quant_scheme"], r.get("file") or "")):
+            writer.writerow([row.get(name) for name in fields])
 
 
 def load_json(path: str) -> dict:

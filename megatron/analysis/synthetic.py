@@ -1,6 +1,6 @@
 """Synthetic capture directories that follow docs/capture-format.md exactly (tests, benchmarks).
 
-`write_capture(root, quant_types, ...)` writes, per quant type, a run file, one manifest, a
+`write_capture(root, quant_schemes, ...)` writes, per scheme, a run file, one manifest, a
 summary and full-mode record files for a small transformer-shaped set of GEMM operands:
 linear layers (input / weight / grad_output and their wgrad/dgrad re-quantized copies, plus
 unquantized outputs and gradients) and core attention (query, key, probs, value, grad_scores).
@@ -12,7 +12,6 @@ flushing and HiF8's regions are all exercised.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,51 +19,69 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-FORMAT_VERSION = 1
+from megatron.quantization.formats import canonical_format, fake_quantize
+from megatron.quantization.schemes import scheme_formats as scheme_site_formats
+from megatron.tensor_capture import format as capture_format
+from megatron.tensor_capture.roles import role_for
+from megatron.tensor_capture.stats import quant_error, tensor_info
 
 
 @dataclass(frozen=True)
 class Role:
-    tensor_name: str
-    operation: str
-    phase: str
+    """One synthetic operand: its GEMM report (names come from the capture's role tables) and
+    how its values are drawn."""
+
+    site_kind: str       # linear | attn_qk | attn_pv
     gemm: str
     operand: str
-    shape: str          # symbolic: "TK", "NK", "TN", "MK", "MN", "attn_q", ...
+    shape: str           # symbolic: "TK", "NK", "TN", "MK", "MN", "Q", "KT", "S", "V"
     axis: Optional[int]  # block axis when quantized (None: result, never quantized)
-    kind: str           # act | weight | grad
+    kind: str            # act | weight | grad | prob
+
+    @property
+    def _capture_role(self):
+        return role_for(self.site_kind, self.gemm, self.operand)
+
+    @property
+    def tensor_name(self) -> str:
+        return self._capture_role.tensor_name
+
+    @property
+    def operation(self) -> str:
+        return self._capture_role.operation
+
+    @property
+    def phase(self) -> str:
+        return self._capture_role.phase
 
 
 LINEAR_ROLES = (
-    Role("input", "forward", "pre", "fprop", "input", "TK", 2, "act"),
-    Role("weight", "forward", "pre", "fprop", "weight", "NK", 1, "weight"),
-    Role("output", "forward", "post", "fprop", "output", "TN", None, "act"),
-    Role("grad_output", "backward", "pre", "dgrad", "grad_output", "TN", 2, "grad"),
-    Role("weight_dgrad", "backward", "pre", "dgrad", "weight", "NK", 0, "weight"),
-    Role("grad_input", "backward", "post", "dgrad", "grad_input", "TK", None, "grad"),
-    Role("grad_output_wgrad", "backward", "pre", "wgrad", "grad_output", "MN", 0, "grad"),
-    Role("input_wgrad", "backward", "pre", "wgrad", "input", "MK", 0, "act"),
-    Role("grad_weight", "backward", "post", "wgrad", "grad_weight", "NK", None, "grad"),
+    Role("linear", "fprop", "input", "TK", 2, "act"),
+    Role("linear", "fprop", "weight", "NK", 1, "weight"),
+    Role("linear", "fprop", "output", "TN", None, "act"),
+    Role("linear", "dgrad", "grad_output", "TN", 2, "grad"),
+    Role("linear", "dgrad", "weight", "NK", 0, "weight"),
+    Role("linear", "dgrad", "grad_input", "TK", None, "grad"),
+    Role("linear", "wgrad", "grad_output", "MN", 0, "grad"),
+    Role("linear", "wgrad", "input", "MK", 0, "act"),
+    Role("linear", "wgrad", "grad_weight", "NK", None, "grad"),
 )
 ATTENTION_ROLES = (
-    Role("query", "forward", "pre", "fprop", "a", "Q", 2, "act"),
-    Role("key", "forward", "pre", "fprop", "b", "KT", 1, "act"),
-    Role("scores", "forward", "post", "fprop", "output", "S", None, "act"),
-    Role("grad_scores", "backward", "pre", "dgrad", "grad_output", "S", 2, "grad"),
-    Role("probs", "forward", "pre", "fprop", "a", "S", 2, "prob"),
-    Role("value", "forward", "pre", "fprop", "b", "V", 1, "act"),
+    Role("attn_qk", "fprop", "a", "Q", 2, "act"),
+    Role("attn_qk", "fprop", "b", "KT", 1, "act"),
+    Role("attn_qk", "fprop", "output", "S", None, "act"),
+    Role("attn_qk", "dgrad", "grad_output", "S", 2, "grad"),
+    Role("attn_pv", "fprop", "a", "S", 2, "prob"),
+    Role("attn_pv", "fprop", "b", "V", 1, "act"),
 )
-_PV = {"probs", "value"}
 LINEAR_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
-def scheme_formats(quant_type: str) -> Tuple[str, str]:
-    """(linear format, attention format) of a scheme name ('none' where not quantized)."""
-    if quant_type == "bf16" or "_" not in quant_type:
-        return "none", "none"
-    prefix, fmt = quant_type.rsplit("_", 1)
-    fmt = {"mxfp8": "mxfp8_e4m3"}.get(fmt, fmt)
-    return (fmt if "linear" in prefix else "none"), (fmt if "FA" in prefix else "none")
+def scheme_formats(quant_scheme: str) -> Tuple[str, str]:
+    """(linear format, attention QK^T format) of a scheme name, canonical ('none' where not
+    quantized)."""
+    linear, attention = scheme_site_formats(quant_scheme)
+    return tuple(fmt if fmt == "none" else canonical_format(fmt) for fmt in (linear, attention))
 
 
 def _shape(symbol: str, dims: Dict[str, int], module: str) -> Tuple[int, ...]:
@@ -107,58 +124,44 @@ def _values(role: Role, shape, layer: int, gen: torch.Generator) -> torch.Tensor
 
 def _tensor_stats(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str, axis, scale_mode):
     """tensor_info / quant_error as the capture writer computes them."""
-    from megatron.tensor_capture.stats import quant_error, tensor_info
-
     info = tensor_info(x)
     err = quant_error(x, q, fmt, axis, scale_mode) if q is not None else None
     return info, err
 
 
-def _json_safe(value):
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def write_capture(root: str, quant_types: Sequence[str] = ("bf16", "FA_linear_mxfp8"),
+def write_capture(root: str, quant_schemes: Sequence[str] = ("bf16", "FA_linear_mxfp8"),
                   layers: int = 2, iterations: Iterable[int] = (1,), micro_batches: int = 1,
                   seq: int = 16, batch: int = 2, hidden: int = 64, ffn: int = 128,
                   heads: int = 4, groups: int = 2, dtype: torch.dtype = torch.bfloat16,
                   scale_mode: str = "floor", seed: int = 0, run_id: str = "20260101_000000",
                   reuse_tensors: bool = False, modules: Sequence[str] = LINEAR_MODULES,
                   attention: bool = True) -> Dict[str, List[str]]:
-    """Write a full-mode capture under `root`; returns {quant_type: [record paths]}.
+    """Write a full-mode capture under `root`; returns {quant_scheme: [record paths]}.
 
     `reuse_tensors` draws each (layer, module, role) once and saves it for every iteration
     and micro-batch (fast generation of large captures for benchmarks).
     """
-    from megatron.quantization.formats import fake_quantize
-
+    iterations = tuple(iterations)
     dims = dict(seq=seq, batch=batch, hidden=hidden, ffn=ffn, heads=heads, groups=groups)
     written: Dict[str, List[str]] = {}
-    for quant_type in quant_types:
-        directory = os.path.join(root, quant_type)
+    for scheme in quant_schemes:
+        directory = os.path.join(root, scheme)
         os.makedirs(directory, exist_ok=True)
-        lin_fmt, attn_fmt = scheme_formats(quant_type)
-        run = {"format_version": FORMAT_VERSION, "run_id": run_id, "quant_type": quant_type,
-               "mode": "full", "control_iter": max(iterations), "collect_micro_batches":
-               micro_batches, "world_size": 1, "args": {"num_layers": layers,
-                                                        "hidden_size": hidden},
+        lin_fmt, attn_fmt = scheme_formats(scheme)
+        run = {"format_version": capture_format.FORMAT_VERSION, "run_id": run_id,
+               capture_format.SCHEME_KEY: scheme, "mode": "full",
+               "control_iter": max(iterations), "collect_micro_batches": micro_batches,
+               "world_size": 1, "args": {"num_layers": layers, "hidden_size": hidden},
                "quant_config": f"synthetic capture, linear={lin_fmt}, attention={attn_fmt}",
                "start_time": datetime(2026, 1, 1).isoformat()}
-        with open(os.path.join(directory, f"run-{run_id}.json"), "w") as f:
-            json.dump(run, f)
+        with open(capture_format.run_file(directory, run_id), "w") as f:
+            f.write(capture_format.json_line(run))
         gen = torch.Generator().manual_seed(seed)
         cache: Dict[tuple, tuple] = {}
         counter = 0
         paths = []
         total = 0
-        manifest_path = os.path.join(directory, f"manifest-{run_id}-rank00000.jsonl")
-        with open(manifest_path, "w") as manifest:
+        with open(capture_format.manifest_file(directory, run_id, 0), "w") as manifest:
             for iteration in iterations:
                 for mb in range(micro_batches):
                     for layer in range(1, layers + 1):
@@ -172,44 +175,44 @@ def write_capture(root: str, quant_types: Sequence[str] = ("bf16", "FA_linear_mx
                                 if reuse_tensors and key in cache:
                                     x, q, meta_fmt, info, err = cache[key]
                                 else:
-                                    shape = _shape(role.shape, dims, module)
-                                    x = _values(role, shape, layer, gen).to(dtype)
-                                    # PV stays high precision in FA_ schemes (QK^T only).
-                                    quantized = (fmt != "none" and role.axis is not None
-                                                 and role.tensor_name not in _PV)
-                                    meta_fmt = fmt if quantized else "none"
-                                    saturate = True if meta_fmt == "hifp8" else None
-                                    q = (fake_quantize(x, meta_fmt, axis=role.axis,
-                                                       scale_mode=scale_mode, saturate=saturate)
-                                         if quantized else None)
-                                    info, err = _tensor_stats(x, q, meta_fmt, role.axis,
-                                                              scale_mode)
+                                    x, q, meta_fmt, info, err = _operand(
+                                        role, dims, module, layer, gen, dtype, fmt, scale_mode)
                                     cache[key] = (x, q, meta_fmt, info, err)
                                 counter += 1
-                                path, nbytes = _write_record(
-                                    directory, run_id, counter, quant_type, layer, module,
-                                    component, role, iteration, mb, x, q, meta_fmt, info, err,
-                                    scale_mode)
-                                meta = _metadata(run_id, counter, quant_type, layer, module,
+                                meta = _metadata(run_id, counter, scheme, layer, module,
                                                  component, role, iteration, mb, meta_fmt,
                                                  scale_mode)
-                                line = {"format_version": FORMAT_VERSION,
-                                        "file": os.path.basename(path), "bytes": nbytes,
-                                        "metadata": meta, "tensor_info": info,
-                                        "quant_error": err}
-                                manifest.write(json.dumps(_json_safe(line)) + "\n")
+                                path = _write_record(directory, run_id, counter, module, meta,
+                                                     x, q, info, err)
+                                nbytes = os.path.getsize(path)
+                                manifest.write(capture_format.json_line(
+                                    capture_format.manifest_entry(os.path.basename(path),
+                                                                  nbytes, meta, info, err)))
                                 paths.append(path)
                                 total += nbytes
         summary = {"records": counter, "files": counter, "bytes": total, "write_seconds": 0.0,
                    "stall_seconds": 0.0, "dropped": 0, "error": None,
                    "end_time": datetime(2026, 1, 1, 0, 1).isoformat()}
-        with open(os.path.join(directory, f"summary-{run_id}-rank00000.json"), "w") as f:
-            json.dump(summary, f)
-        written[quant_type] = paths
+        with open(capture_format.summary_file(directory, run_id, 0), "w") as f:
+            f.write(capture_format.json_text(summary))
+        written[scheme] = paths
     return written
 
 
-def _metadata(run_id, counter, quant_type, layer, module, component, role, iteration, mb,
+def _operand(role: Role, dims, module, layer, gen, dtype, fmt, scale_mode):
+    """(x, quantized x or None, its format, tensor_info, quant_error) of one operand."""
+    x = _values(role, _shape(role.shape, dims, module), layer, gen).to(dtype)
+    # PV stays high precision in FA_ schemes (QK^T only).
+    quantized = fmt != "none" and role.axis is not None and role.site_kind != "attn_pv"
+    meta_fmt = fmt if quantized else "none"
+    saturate = True if meta_fmt == "hifp8" else None
+    q = fake_quantize(x, meta_fmt, axis=role.axis, scale_mode=scale_mode,
+                      saturate=saturate) if quantized else None
+    info, err = _tensor_stats(x, q, meta_fmt, role.axis, scale_mode)
+    return x, q, meta_fmt, info, err
+
+
+def _metadata(run_id, counter, scheme, layer, module, component, role, iteration, mb,
               fmt, scale_mode):
     path = (f"decoder.layers.{layer - 1}.self_attention.core_attention" if component ==
             "attention" else f"decoder.layers.{layer - 1}.mlp.{module}")
@@ -217,7 +220,7 @@ def _metadata(run_id, counter, quant_type, layer, module, component, role, itera
         "layer_type": component, "layer_idx": layer, "module": path,
         "operation": role.operation, "phase": role.phase,
         "component": "FA" if component == "attention" else "linear",
-        "quant_type": quant_type, "tensor_name": role.tensor_name, "gemm": role.gemm,
+        capture_format.SCHEME_KEY: scheme, "tensor_name": role.tensor_name, "gemm": role.gemm,
         "operand": role.operand, "iteration": iteration, "micro_batch": mb, "rank": 0,
         "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "world_size": 1,
         "save_time": datetime(2026, 1, 1).isoformat(), "run_id": run_id, "counter": counter,
@@ -230,20 +233,9 @@ def _metadata(run_id, counter, quant_type, layer, module, component, role, itera
     return meta
 
 
-def _write_record(directory, run_id, counter, quant_type, layer, module, component, role,
-                  iteration, mb, x, q, fmt, info, err, scale_mode):
-    layer_type = "attention" if component == "attention" else "linear"
-    tag = "FA" if component == "attention" else "linear"
-    name = (f"{run_id}_{counter:06d}_{layer_type}_L{layer}_{role.operation}_{role.phase}_{tag}_"
-            f"{quant_type}_{role.tensor_name}_{module}_it{iteration}_mb{mb}.pt")
-    record = {"format_version": FORMAT_VERSION, "tensor": x, "tensor_info": info,
-              "metadata": _metadata(run_id, counter, quant_type, layer, module, component, role,
-                                    iteration, mb, fmt, scale_mode)}
-    if q is not None:
-        record["quantized"] = q
-        record["quant_error"] = err
-    path = os.path.join(directory, name)
+def _write_record(directory, run_id, counter, module, meta, x, q, info, err) -> str:
+    path = os.path.join(directory, capture_format.record_file_name(run_id, counter, meta, module))
     tmp = path + ".tmp"
-    torch.save(record, tmp)
+    torch.save(capture_format.record_dict(x, info, meta, q, err), tmp)
     os.replace(tmp, path)
-    return path, os.path.getsize(path)
+    return path

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import List, Sequence
 
+from megatron.analysis.statistics import OUTPUT_SCHEME_KEY, OUTPUT_SCHEMES_KEY
+
 
 def _fmt(value, kind: str = "g") -> str:
     if value is None:
@@ -42,12 +44,12 @@ def render(doc: dict) -> str:
     if inputs.get("tensor_dirs"):
         out.append("Captures: " + ", ".join(inputs["tensor_dirs"]))
     out.append("")
-    qts = doc.get("quant_types") or {}
-    if qts:
+    schemes = doc.get(OUTPUT_SCHEMES_KEY) or {}
+    if schemes:
         rows = []
-        for qt, sec in qts.items():
+        for scheme, sec in schemes.items():
             cap, overall = sec["capture"], sec["overall"] or {}
-            rows.append([qt, _fmt(cap["manifest_records"], "int"),
+            rows.append([scheme, _fmt(cap["manifest_records"], "int"),
                          _fmt(overall.get("records_with_tensors"), "int"),
                          _fmt(overall.get("elements"), "int"), _fmt(overall.get("absmax")),
                          _fmt(overall.get("kurtosis")),
@@ -56,14 +58,14 @@ def render(doc: dict) -> str:
                                          "absmax", "kurtosis", "quantized records"], rows), ""]
     comp = doc.get("format_comparison") or []
     if comp:
-        rows = [[r["quant_type"], r["format"], r["operation"], _fmt(r["records"], "int"),
+        rows = [[r[OUTPUT_SCHEME_KEY], r["format"], r["operation"], _fmt(r["records"], "int"),
                  _fmt(r["sqnr_db"], "db"), _fmt(r["mse"]), _fmt(r["relative_error"]),
                  _fmt(r["saturated_fraction"], "pct"), _fmt(r["flushed_fraction"], "pct"),
                  _fmt(r["nonfinite_fraction"], "pct")] for r in comp]
         out += ["== Quantization error by format (quantized operands) ==",
                 table(["quant type", "format", "operation", "records", "SQNR dB", "MSE",
                        "rel. error", "saturated", "flushed", "non-finite"], rows), ""]
-    for qt, sec in qts.items():
+    for scheme, sec in schemes.items():
         rows = []
         for name, m in (sec.get("by_tensor") or {}).items():
             q = m.get("quantization") or {}
@@ -74,15 +76,15 @@ def render(doc: dict) -> str:
                          _fmt(q.get("flushed_fraction"), "pct"),
                          f"{scale['min']}..{scale['max']}" if scale else "-"])
         if rows:
-            out += [f"== {qt}: per tensor ==",
+            out += [f"== {scheme}: per tensor ==",
                     table(["tensor", "records", "absmax", "std", "range (binades)", "SQNR dB",
                            "saturated", "flushed", "E8M0 exps"], rows), ""]
     region_rows = []
-    for qt, sec in qts.items():
+    for scheme, sec in schemes.items():
         for cls, m in (sec.get("by_tensor_class") or {}).items():
             regions = m.get("hifp8_regions")
             if regions:
-                region_rows.append([qt, cls] + [_fmt(regions[k], "pct") for k in
+                region_rows.append([scheme, cls] + [_fmt(regions[k], "pct") for k in
                                                 ("underflow", "denormal", "mant1", "mant2",
                                                  "mant3", "overflow")])
     if region_rows:

@@ -23,10 +23,11 @@ from megatron.analysis.loading import Entry, check_record, finite_or_none, load_
 from megatron.analysis.progress import Progress
 from megatron.analysis.ranges import format_ranges
 from megatron.analysis.summarize import summarize_manifest_only, summarize_tensors
+from megatron.tensor_capture.format import short_module_name
 
 log = logging.getLogger("megatron.analysis")
 
-KEY_FIELDS = ("quant_type", "format", "component", "layer", "module", "tensor_name",
+KEY_FIELDS = ("quant_scheme", "format", "component", "layer", "module", "tensor_name",
               "operation", "phase", "gemm", "operand")
 GroupKey = namedtuple("GroupKey", KEY_FIELDS)
 
@@ -37,21 +38,14 @@ _CHECKED = (("mse", 1e-6), ("sqnr_db", 1e-6), ("flushed_fraction", 1e-9),
 
 def short_module(path: str) -> str:
     """Module field of record names: last path element; experts keep their index."""
-    try:
-        from megatron.tensor_capture.naming import short_module_name
-        return short_module_name(path)
-    except Exception:
-        parts = str(path).split(".")
-        if len(parts) >= 3 and parts[-3] == "local_experts":
-            return f"expert{parts[-2]}_{parts[-1]}"
-        return parts[-1]
+    return short_module_name(str(path))
 
 
 def group_key(entry: Entry) -> GroupKey:
     m = entry.metadata
     layer = m.get("layer_idx")
     return GroupKey(
-        quant_type=entry.quant_type, format=str(m.get("format") or "none"),
+        quant_scheme=entry.quant_scheme, format=str(m.get("format") or "none"),
         component=str(m.get("component") or m.get("layer_type") or ""),
         layer=int(layer) if layer is not None else -1,
         module=short_module(m.get("module") or ""), tensor_name=str(m.get("tensor_name") or ""),
@@ -208,7 +202,9 @@ def _init_worker():
 
 def run_batches(entries: List[Entry], workers: int = 1, progress: bool = True,
                 use_tensors: bool = True) -> BatchResult:
-    """Summarise all entries with `workers` processes; results are merged as they arrive."""
+    """Summarise all entries with `workers` processes. Results are merged in batch order,
+    whatever order the workers finish in, so the float sums (and the report) are the same
+    from run to run."""
     total_bytes = sum(e.bytes for e in entries)
     bar = Progress(len(entries), total_bytes, enabled=progress)
     merged = BatchResult()
@@ -225,19 +221,24 @@ def run_batches(entries: List[Entry], workers: int = 1, progress: bool = True,
             torch.set_num_threads(threads)
     else:
         with forking.pool(workers, initializer=_init_worker) as pool:
-            futures = {pool.submit(summarize_batch, batch, use_tensors): batch
-                       for batch in batches}
+            futures = {pool.submit(summarize_batch, batch, use_tensors): index
+                       for index, batch in enumerate(batches)}
+            parts = [None] * len(batches)
             for future in as_completed(futures):
-                batch = futures[future]
+                index = futures[future]
+                batch = batches[index]
                 try:
-                    part = future.result()
+                    parts[index] = future.result()
                 except Exception as exc:  # a crashed worker loses its batch, not the report
-                    merged.problems.append(_problem(
+                    parts[index] = _problem(
                         "worker_failure", f"a worker failed on {len(batch)} records "
-                                          f"({batch[0].source} ...): {exc}"))
-                    continue
-                merged.merge(part)
+                                          f"({batch[0].source} ...): {exc}")
                 bar.update(len(batch), sum(e.bytes for e in batch))
+            for part in parts:
+                if isinstance(part, BatchResult):
+                    merged.merge(part)
+                else:
+                    merged.problems.append(part)
     elapsed = bar.close()
     log.info("summarised %d records (%.1f MB) in %.2f s with %d worker(s)", merged.records,
              merged.bytes / 1e6, elapsed, max(1, workers))

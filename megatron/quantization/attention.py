@@ -30,7 +30,7 @@ from megatron.core import tensor_parallel
 from megatron.quantization.formats import fake_quantize
 from megatron.quantization.gemm import MatmulQuantConfig, quantized_matmul
 from megatron.quantization.observers import GemmSite, observer_for
-from megatron.training.modules import LocalDotProductAttention
+from megatron.quantization.local_attention import LocalDotProductAttention
 
 
 class QuantDotProductAttention(LocalDotProductAttention):

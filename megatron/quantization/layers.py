@@ -8,8 +8,8 @@ sequence parallel -> all-gather the input (reduce-scatter its gradient); otherwi
 of the input gradient when the layer asks for it. The GEMM itself is `quantized_linear`, which
 quantizes each of fprop / dgrad / wgrad along its own reduction axis.
 
-Each instance is a GEMM site: `assign_quantization` (spec.py) sets `quant_site` after the model
-is built, when the module path and layer number are known.
+Each instance is a GEMM site: `apply_quantization` (converter.py) sets `quant_site` after the
+model is built, when the module path and layer number are known.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import FrozenSet, Optional, Sequence
 
 from megatron.quantization.formats import canonical_format
 from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats
-from megatron.training import layer_lists
+from megatron.quantization import layer_lists
 
 ELEMENT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
 SCHEMES = ("bf16",) + tuple(
@@ -183,12 +183,3 @@ def build_quant_config(scheme: str, num_layers: int, linear_quant: Optional[str]
         skip_layers=parse_layer_list(skip_layers, num_layers),
         notes=tuple(notes),
     )
-
-
-def quant_config_from_args(args) -> QuantConfig:
-    return build_quant_config(
-        scheme=args.quant_scheme, num_layers=args.num_layers, linear_quant=args.linear_quant,
-        attn_qk_quant=args.attn_qk_quant, attn_pv_quant=args.attn_pv_quant,
-        backward=args.quant_backward, scale_mode=args.mx_scale_mode,
-        grad_format=args.mx_grad_format, skip_layers=args.quant_skip_layers or (),
-        output_layer=args.quant_output_layer)

@@ -1,4 +1,5 @@
-"""Training-loop integration of tensor capture (a megatron.training TrainingCallback).
+"""Training-loop integration of tensor capture (a training callback, configured by a
+`CaptureConfig`; the loop calls the methods below).
 
 Life cycle, driven by the training loop:
 - on_train_start: every rank agrees on a run id (rank 0 claims it), opens its manifest and
@@ -17,7 +18,6 @@ Life cycle, driven by the training loop:
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import sys
 import weakref
@@ -27,27 +27,13 @@ from typing import Dict, Optional
 import torch
 
 from megatron.quantization.observers import register_observer, unregister_observer
-from megatron.tensor_capture import naming
+from megatron.tensor_capture import format as capture_format
+from megatron.tensor_capture.config import CaptureConfig
 from megatron.tensor_capture.hooks import CaptureObserver, live_observers
 from megatron.tensor_capture.policy import CapturePolicy
 from megatron.tensor_capture.records import (
     HostBufferPool, Recorder, RunContext, SiteInfo, site_info)
-from megatron.tensor_capture.writer import (
-    CaptureWriter, atomic_write_text, describe_error, json_line)
-from megatron.training.training import TrainingCallback
-
-RUN_ARGS = (
-    "model_preset", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-    "num_query_groups", "kv_channels", "seq_length", "micro_batch_size", "global_batch_size",
-    "num_micro_batches", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-    "data_parallel_size", "expert_model_parallel_size", "sequence_parallel", "num_experts",
-    "multi_latent_attention", "quant_scheme", "linear_quant", "attn_qk_quant", "attn_pv_quant",
-    "quant_backward", "mx_scale_mode", "mx_grad_format", "quant_skip_layers",
-    "quant_output_layer", "bf16", "fp16", "seed", "lr", "train_iters", "tokenizer_type",
-    "vocab_size", "padded_vocab_size", "mock_data", "data_path", "tensor_save_mode",
-    "tensor_save_layers", "tensor_save_filter", "tensor_save_kinds",
-)
-
+from megatron.tensor_capture.writer import CaptureWriter, atomic_write_text, describe_error
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 2 ** 20:.1f} MiB"
@@ -103,23 +89,19 @@ def collect_sites(model_chunks, ep_rank: int = 0) -> Dict[str, SiteInfo]:
     return sites
 
 
-def _run_args(args) -> dict:
-    out = {}
-    for name in RUN_ARGS:
-        value = getattr(args, name, None)
-        out[name] = value if isinstance(value, (bool, int, float, str, type(None))) else \
-            (list(value) if isinstance(value, (list, tuple)) else str(value))
-    return out
+class TensorCaptureCallback:
+    """Captures GEMM tensors at the iterations and micro-batches `config` selects.
 
+    `run_info` is what the run file records besides the capture settings: `args` (the run's
+    flags, JSON-ready) and `quant_config` (the printed per-GEMM configuration).
+    """
 
-class TensorCaptureCallback(TrainingCallback):
-    """Captures GEMM tensors at the iterations and micro-batches the flags select."""
-
-    def __init__(self, args):
-        self.args = args
-        self.full = args.tensor_save_mode == "full"
-        self.continue_on_error = bool(args.tensor_save_continue_on_error)
-        self.directory = os.path.join(args.tensor_save_dir, args.quant_scheme)
+    def __init__(self, config: CaptureConfig, run_info: Optional[dict] = None):
+        self.config = config
+        self.run_info = dict(run_info or {})
+        self.full = config.full
+        self.continue_on_error = config.continue_on_error
+        self.directory = config.directory
         self.policy: Optional[CapturePolicy] = None
         self.writer: Optional[CaptureWriter] = None
         self.observer: Optional[CaptureObserver] = None
@@ -137,21 +119,22 @@ class TensorCaptureCallback(TrainingCallback):
 
     # -- set-up ----------------------------------------------------------------------------
 
-    def on_train_start(self, args, model_chunks, iteration: int) -> None:
+    def on_train_start(self, model_chunks, iteration: int) -> None:
+        config = self.config
         _finalize_stale(keep=self)
         self.ranks = _parallel_ranks()
         self.policy = CapturePolicy(
-            control_iter=args.control_iter, micro_batches=args.collect_micro_batches,
-            layers=args.tensor_capture_layers, kinds=args.tensor_capture_kinds,
-            name_filter=args.tensor_capture_filter, start_iteration=iteration)
-        self.run_id, error = self._agree_on_run_id(args)
+            control_iter=config.control_iter, micro_batches=config.micro_batches,
+            layers=config.layers, kinds=config.kinds, name_filter=config.name_filter,
+            start_iteration=iteration)
+        self.run_id, error = self._agree_on_run_id()
         if error is None:
             error = self._open_writer()
         error, here = self._first_error_on_any_rank(error)
         if error is not None:
             self._fail(error, quiet=not here)
             return
-        context = RunContext(run_id=self.run_id, quant_type=args.quant_scheme,
+        context = RunContext(run_id=self.run_id, quant_scheme=config.quant_scheme,
                              rank=self.ranks["rank"], tp_rank=self.ranks["tp_rank"],
                              pp_rank=self.ranks["pp_rank"], dp_rank=self.ranks["dp_rank"],
                              world_size=self.ranks["world_size"])
@@ -162,32 +145,31 @@ class TensorCaptureCallback(TrainingCallback):
                                         on_error=self._on_capture_exception)
         last = self.policy.last_iteration
         which = f"iterations {iteration + 1}..{last}" if last else "every iteration"
-        micro = min(args.collect_micro_batches, getattr(args, "num_micro_batches", 1 << 30))
+        micro = min(config.micro_batches, config.num_micro_batches)
         self._log(f"capturing {which}, micro-batches 0..{micro - 1}, "
-                  f"mode {args.tensor_save_mode} -> {self.directory} (run {self.run_id}); "
+                  f"mode {config.mode} -> {self.directory} (run {self.run_id}); "
                   f"tensors: {self.policy.kinds.describe()}")
 
-    def _run_payload(self, args, run_id: str) -> bytes:
-        describe = args.quant_config.describe(args.num_layers) if hasattr(args, "quant_config") \
-            else ""
+    def _run_payload(self, run_id: str) -> bytes:
+        config = self.config
         payload = {
-            "format_version": naming.FORMAT_VERSION, "run_id": run_id,
-            "quant_type": args.quant_scheme, "mode": args.tensor_save_mode,
-            "control_iter": args.control_iter,
-            "collect_micro_batches": args.collect_micro_batches,
-            "world_size": self.ranks["world_size"], "args": _run_args(args),
-            "quant_config": describe, "start_time": _now(),
+            "format_version": capture_format.FORMAT_VERSION, "run_id": run_id,
+            capture_format.SCHEME_KEY: config.quant_scheme, "mode": config.mode,
+            "control_iter": config.control_iter,
+            "collect_micro_batches": config.micro_batches,
+            "world_size": self.ranks["world_size"], "args": self.run_info.get("args", {}),
+            "quant_config": self.run_info.get("quant_config", ""), "start_time": _now(),
         }
-        return json_line(payload).encode("utf-8")
+        return capture_format.json_line(payload).encode("utf-8")
 
-    def _agree_on_run_id(self, args):
+    def _agree_on_run_id(self):
         """Rank 0 claims a run id unique in the directory and broadcasts it (or its error)."""
         result = [None, None]
         if self.ranks["rank"] == 0:
-            base = naming.base_run_id()
+            base = capture_format.base_run_id()
             try:
-                run_id = naming.claim_run_id(self.directory, base,
-                                             lambda rid: self._run_payload(args, rid))
+                run_id = capture_format.claim_run_id(self.directory, base,
+                                             self._run_payload)
                 result = [run_id, None]
             except OSError as exc:
                 result = [base, describe_error(exc, self.directory)]
@@ -198,11 +180,10 @@ class TensorCaptureCallback(TrainingCallback):
     def _open_writer(self) -> Optional[str]:
         try:
             os.makedirs(self.directory, exist_ok=True)
-            manifest = naming.manifest_file(self.directory, self.run_id, self.ranks["rank"])
+            manifest = capture_format.manifest_file(self.directory, self.run_id, self.ranks["rank"])
             self.writer = CaptureWriter(
                 self.directory, manifest, full=self.full,
-                max_records=self.args.tensor_save_queue_size,
-                max_bytes=int(self.args.tensor_save_queue_mb * 2 ** 20))
+                max_records=self.config.queue_records, max_bytes=self.config.queue_bytes)
         except OSError as exc:
             return describe_error(exc, self.directory)
         return None
@@ -241,9 +222,9 @@ class TensorCaptureCallback(TrainingCallback):
         self._unregister()
         last = self.policy.last_iteration if self.policy else None
         if captured and not self.stopped and (
-                iteration == last or iteration >= getattr(self.args, "train_iters", 0)):
+                iteration == last or iteration >= self.config.train_iters):
             # The run is about to end: wait for the writer so its errors still count.
-            self.writer.drain(self.args.tensor_save_drain_timeout)
+            self.writer.drain(self.config.drain_timeout)
         if captured:
             self._log_iteration(iteration)
         self._check_writer()
@@ -309,16 +290,16 @@ class TensorCaptureCallback(TrainingCallback):
             if self.error is not None:
                 self._log(f"summary: no records (capture failed: {self.error})", force=True)
             return
-        timeout = self.args.tensor_save_drain_timeout if timeout is None else timeout
+        timeout = self.config.drain_timeout if timeout is None else timeout
         self.writer.close(timeout)
         self._check_writer()
         summary = self.writer.summary()
         summary.update(error=self.error, end_time=_now(), run_id=self.run_id,
                        rank=self.ranks["rank"], exit_reason=self.exit_reason,
                        capture_seconds=round(self.observer.seconds, 6) if self.observer else 0.0)
-        path = naming.summary_file(self.directory, self.run_id, self.ranks["rank"])
+        path = capture_format.summary_file(self.directory, self.run_id, self.ranks["rank"])
         try:
-            atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
+            atomic_write_text(path, capture_format.json_text(summary))
         except OSError as exc:
             print(f"warning: tensor capture: summary not written ({describe_error(exc, path)})",
                   file=sys.stderr, flush=True)
@@ -357,10 +338,3 @@ def _finalize_at_exit() -> None:
                 callback.finalize(timeout=60.0)
             except Exception:  # noqa: BLE001 - best effort at interpreter exit
                 pass
-
-
-def build_capture_callback(args) -> Optional[TensorCaptureCallback]:
-    """The capture callback when --save-tensors (or TENSOR_SAVE_ENABLED) is on, else None."""
-    if not getattr(args, "save_tensors", False):
-        return None
-    return TensorCaptureCallback(args)

@@ -12,7 +12,7 @@ import time
 import weakref
 from typing import Callable, Dict, Optional, Tuple
 
-from megatron.tensor_capture.naming import role_for
+from megatron.tensor_capture.roles import role_for
 from megatron.tensor_capture.policy import CapturePolicy
 from megatron.tensor_capture.records import Recorder, SiteInfo, site_info
 

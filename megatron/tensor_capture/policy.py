@@ -11,9 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import FrozenSet, Iterable, Optional, Pattern, Tuple
 
-from megatron.training.layer_lists import parse_layer_list
-
-from megatron.tensor_capture.naming import REQUANT, RESULT, Role, tensor_names
+from megatron.quantization.layer_lists import parse_layer_list
+from megatron.tensor_capture.roles import REQUANT, RESULT, Role, tensor_names
 
 COMPONENTS = ("attention", "linear")
 

@@ -16,15 +16,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.tensor_capture.naming import (
-    COMPONENT_OF_KIND, COMPONENT_TAG, FORMAT_VERSION, LAYER_TYPE, Role, record_file_name,
-    record_name, short_module_name)
+from megatron.tensor_capture import format as capture_format
+from megatron.tensor_capture.format import record_file_name, record_name, short_module_name
+from megatron.tensor_capture.roles import COMPONENT_OF_KIND, COMPONENT_TAG, LAYER_TYPE, Role
 from megatron.tensor_capture.stats import Moments, compute_stats
 
 
 @dataclass(frozen=True)
 class SiteInfo:
-    """What naming needs to know about one GEMM site (built once per run)."""
+    """What record names need to know about one GEMM site (built once per run)."""
 
     site_name: str
     kind: str
@@ -157,17 +157,12 @@ class CaptureItem:
         self.tensor = self.quantized = None
 
     def record(self) -> dict:
-        rec = {"format_version": FORMAT_VERSION, "tensor": self.tensor,
-               "tensor_info": self.tensor_info, "metadata": self.metadata}
-        if self.quantized is not None:
-            rec["quantized"] = self.quantized
-            rec["quant_error"] = self.quant_error
-        return rec
+        return capture_format.record_dict(self.tensor, self.tensor_info, self.metadata,
+                                          self.quantized, self.quant_error)
 
     def manifest_entry(self, file_name: Optional[str], nbytes: int) -> dict:
-        return {"format_version": FORMAT_VERSION, "file": file_name, "bytes": nbytes,
-                "metadata": self.metadata, "tensor_info": self.tensor_info,
-                "quant_error": self.quant_error}
+        return capture_format.manifest_entry(file_name, nbytes, self.metadata, self.tensor_info,
+                                             self.quant_error)
 
 
 class SameDataCache:
@@ -211,7 +206,7 @@ class RunContext:
     """Per-rank constants stamped into every record's metadata."""
 
     run_id: str
-    quant_type: str
+    quant_scheme: str
     rank: int = 0
     tp_rank: int = 0
     pp_rank: int = 0
@@ -284,7 +279,7 @@ class Recorder:
         meta = {
             "layer_type": info.layer_type, "layer_idx": info.layer, "module": info.module_path,
             "operation": role.operation, "phase": role.phase, "component": info.tag,
-            "quant_type": ctx.quant_type, "tensor_name": role.tensor_name, "gemm": gemm,
+            capture_format.SCHEME_KEY: ctx.quant_scheme, "tensor_name": role.tensor_name, "gemm": gemm,
             "operand": operand, "iteration": iteration, "micro_batch": micro_batch,
             "rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
             "dp_rank": ctx.dp_rank, "world_size": ctx.world_size, "save_time": None,

@@ -15,8 +15,6 @@ The thread runs at a lower priority than the training step (see `_run_in_backgro
 from __future__ import annotations
 
 import atexit
-import json
-import math
 import os
 import threading
 import time
@@ -27,22 +25,8 @@ from typing import Optional
 
 import torch
 
+from megatron.tensor_capture.format import json_line
 from megatron.tensor_capture.records import CaptureItem
-
-
-def _json_safe(value):
-    """JSON without NaN/Infinity tokens: non-finite floats become "nan", "inf", "-inf"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def json_line(obj) -> str:
-    return json.dumps(_json_safe(obj), allow_nan=False, separators=(",", ":")) + "\n"
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -17,12 +17,15 @@ import ast
 import os
 from typing import Callable, Iterable, List, Optional
 
+from megatron.training.capture_arguments import add_tensor_args, validate_tensor_args
+from megatron.training.errors import ConfigError
 from megatron.training.presets import MODEL_PRESETS, preset_defaults
+from megatron.training.quant_arguments import add_quantization_args, validate_quantization_args
 from megatron.training.tokenizer import add_tokenizer_args
 
+__all__ = ["ConfigError", "build_parser", "parse_args", "validate_args", "format_args"]
 
-class ConfigError(ValueError):
-    """An impossible or incomplete configuration, reported before anything is built."""
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,72 +338,6 @@ def _add_logging_args(parser):
     return parser
 
 
-def _add_quantization_args(parser):
-    from megatron.quantization.schemes import (
-        ENV_SCHEME, GRAD_FORMATS, OVERRIDE_FORMATS, SCHEMES)
-
-    group = parser.add_argument_group(title="simulated low-precision GEMMs")
-    group.add_argument("--quant-scheme", type=str, default=None, choices=SCHEMES,
-                       help="Which GEMMs are simulated in low precision: bf16 (none), "
-                            "FA_<fmt> (attention QK^T only; PV stays high precision unless "
-                            "--attn-pv-quant is given), linear_<fmt> (every parallel linear "
-                            "of every transformer layer), FA_linear_<fmt> (both), with fmt "
-                            f"mxfp8/mxfp4/hifp8. Default: ${ENV_SCHEME} if set, else bf16.")
-    group.add_argument("--linear-quant", type=str, default=None, choices=OVERRIDE_FORMATS,
-                       help="Override the element format of the linear layers ('none' = "
-                            "high precision).")
-    group.add_argument("--attn-qk-quant", type=str, default=None, choices=OVERRIDE_FORMATS,
-                       help="Override the format of the attention QK^T GEMMs.")
-    group.add_argument("--attn-pv-quant", type=str, default=None, choices=OVERRIDE_FORMATS,
-                       help="Quantize the attention PV (probabilities x values) GEMMs in this "
-                            "format (no scheme quantizes PV by itself).")
-    group.add_argument("--quant-backward", action=argparse.BooleanOptionalAction, default=True,
-                       help="Also quantize the backward GEMMs (dgrad and wgrad) of quantized "
-                            "sites; --no-quant-backward keeps them in high precision.")
-    group.add_argument("--mx-scale-mode", type=str, default="floor", choices=["floor", "rceil"],
-                       help="MX shared-scale rule: floor (OCP spec: floor(log2 amax) - emax) or "
-                            "rceil (NVIDIA recipe: ceil(log2(amax / max_normal))).")
-    group.add_argument("--mx-grad-format", type=str, default="e4m3", choices=GRAD_FORMATS,
-                       help="Element format of the gradient operands of MXFP8 GEMMs (E4M3 as "
-                            "in NVIDIA's MXFP8 recipe, or E5M2).")
-    group.add_argument("--quant-skip-layers", nargs="*", default=None,
-                       help="Transformer layers kept in high precision: 1-based numbers, "
-                            "ranges like 2-4, negative numbers from the end (e.g. 1 -1 keeps "
-                            "the first and last layer in bf16).")
-    group.add_argument("--quant-output-layer", action="store_true",
-                       help="Also quantize the output (LM head) layer with the linear format.")
-    group.add_argument("--quant-check", action="store_true",
-                       help="Print the effective per-GEMM quantization configuration and exit.")
-    return parser
-
-
-def _validate_quantization_args(args):
-    from megatron.quantization.schemes import (
-        ENV_SCHEME, SchemeError, quant_config_from_args, scheme_from_env)
-
-    try:
-        if args.quant_scheme is None:
-            args.quant_scheme = scheme_from_env()
-            args.quant_scheme_source = ENV_SCHEME if os.environ.get(ENV_SCHEME) else "default"
-        else:
-            args.quant_scheme_source = "--quant-scheme"
-        args.quant_config = quant_config_from_args(args)
-    except SchemeError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _add_tensor_args(parser):
-    from megatron.tensor_capture.arguments import add_tensor_args
-
-    return add_tensor_args(parser)
-
-
-def _validate_tensor_args(args):
-    from megatron.tensor_capture.arguments import validate_tensor_args
-
-    validate_tensor_args(args)
-
-
 ARGUMENT_GROUPS: List[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = [
     _add_network_size_args,
     _add_regularization_args,
@@ -416,8 +353,8 @@ ARGUMENT_GROUPS: List[Callable[[argparse.ArgumentParser], argparse.ArgumentParse
     _add_moe_args,
     _add_mla_args,
     _add_logging_args,
-    _add_quantization_args,
-    _add_tensor_args,
+    add_quantization_args,
+    add_tensor_args,
 ]
 
 
@@ -666,8 +603,8 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
 
 # Group-specific validation registered by plugin groups (quantization, tensor capture).
 EXTRA_VALIDATORS: List[Callable[[argparse.Namespace], None]] = [
-    _validate_quantization_args,
-    _validate_tensor_args,
+    validate_quantization_args,
+    validate_tensor_args,
 ]
 
 

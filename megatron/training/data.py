@@ -106,10 +106,3 @@ def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int, dp_s
             start = 0
 
     return cycle()
-
-
-def batch_to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Tuple:
-    """(tokens, labels, loss_mask, attention_mask or None, position_ids) on `device`."""
-    moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return (moved["tokens"], moved["labels"], moved["loss_mask"].float(),
-            moved.get("attention_mask"), moved["position_ids"])

@@ -1,15 +1,16 @@
 """GPT model construction: TransformerConfig from args, the layer spec, and GPTModel.
 
-The layer spec is megatron-core's local spec with its classes swapped through `MODULE_SWAPS`
-(a list of functions args -> {old class: new class}). The base swap installs the CPU/SP-safe
-norm and attention from `modules.py`; the quantization package adds its quantized linears and
-attention the same way, so no model code is edited to change what a GEMM does.
+The layer spec is megatron-core's local spec with its norm and attention classes swapped for
+the CPU/SP-safe ones (`LOCAL_MODULES`). `build_gpt_model` then hands the built model to the
+quantization converter (`apply_quantization`), which swaps in the quantized linears and
+attention and names the GEMM sites: the classes of a built model depend only on its
+QuantConfig, never on what was imported before.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,10 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron.training.modules import LocalDotProductAttention, Norm
+from megatron.quantization.converter import apply_quantization
+from megatron.quantization.local_attention import LocalDotProductAttention
+from megatron.quantization.schemes import QuantConfig
+from megatron.training.modules import Norm
 
 # Argument dests whose name differs from the TransformerConfig field they set.
 _RENAMED_FIELDS = {"num_experts": "num_moe_experts"}
@@ -53,6 +57,8 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
     kwargs["use_cpu_initialization"] = not torch.cuda.is_available()
     kwargs["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
     kwargs["calculate_per_token_loss"] = True
+    # megatron-core 0.16's default scope "full" warns that it is deprecated; [] means the same.
+    kwargs["cuda_graph_scope"] = []
     if args.swiglu:
         kwargs["gated_linear_unit"] = True
         kwargs["activation_func"] = F.silu
@@ -67,17 +73,12 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
     return config_class(**kwargs)
 
 
-def base_module_swaps(args) -> Dict[type, type]:
-    """The local spec's norm and attention classes -> our CPU- and SP-safe versions."""
-    return {
-        WrappedTorchNorm: Norm,
-        gpt_layer_specs.LNImpl: Norm,
-        DotProductAttention: LocalDotProductAttention,
-    }
-
-
-# Functions args -> {old class: new class}, applied in order; later entries see earlier swaps.
-MODULE_SWAPS: List[Callable[[object], Dict[type, type]]] = [base_module_swaps]
+# The local spec's norm and attention classes -> our CPU- and SP-safe versions.
+LOCAL_MODULES: Dict[type, type] = {
+    WrappedTorchNorm: Norm,
+    gpt_layer_specs.LNImpl: Norm,
+    DotProductAttention: LocalDotProductAttention,
+}
 
 
 def replace_modules(spec, mapping: Dict[type, type]):
@@ -99,7 +100,7 @@ def replace_modules(spec, mapping: Dict[type, type]):
 
 
 def build_layer_spec(args, config: TransformerConfig, vp_stage: Optional[int] = None):
-    """The decoder block spec for this pipeline stage, with MODULE_SWAPS applied."""
+    """The decoder block spec for this pipeline stage, with LOCAL_MODULES swapped in."""
     if args.num_experts is not None or args.multi_latent_attention:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                           normalization=args.normalization, vp_stage=vp_stage)
@@ -109,16 +110,16 @@ def build_layer_spec(args, config: TransformerConfig, vp_stage: Optional[int] = 
         spec = TransformerBlockSubmodules(
             layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
             layer_norm=Norm)
-    for swaps in MODULE_SWAPS:
-        spec = replace_modules(spec, swaps(args))
-    return spec
+    return replace_modules(spec, LOCAL_MODULES)
 
 
-def build_gpt_model(args, config: TransformerConfig, pre_process: bool = True,
-                    post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
-    """GPTModel for one pipeline stage (Megatron-LM's gpt_builder, with rope_scaling_factor
-    actually passed: Megatron-LM 0.16 drops it, which would give Llama 3.2 the wrong factor)."""
-    return GPTModel(
+def build_gpt_model(args, config: TransformerConfig, quant_config: QuantConfig,
+                    pre_process: bool = True, post_process: bool = True,
+                    vp_stage: Optional[int] = None) -> GPTModel:
+    """GPTModel for one pipeline stage with its GEMM sites quantized per `quant_config`
+    (Megatron-LM's gpt_builder, with rope_scaling_factor actually passed: Megatron-LM 0.16 drops
+    it, which would give Llama 3.2 the wrong factor)."""
+    model = GPTModel(
         config=config,
         transformer_layer_spec=build_layer_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size,
@@ -134,6 +135,8 @@ def build_gpt_model(args, config: TransformerConfig, pre_process: bool = True,
         rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     )
+    apply_quantization(model, quant_config)
+    return model
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import math
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -29,9 +28,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megatron.quantization.spec import assign_quantization
+from megatron.tensor_capture.callback import TensorCaptureCallback
 from megatron.training import checkpointing
 from megatron.training.arguments import format_args, parse_args, validate_args
+from megatron.training.capture_arguments import run_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.initialize import (
     destroy_distributed,
@@ -80,9 +80,12 @@ def print_rank_last(message: str) -> None:
 
 
 class TrainingCallback:
-    """Hooks into the loop. `on_iteration_end` may return a reason to stop the run cleanly."""
+    """Hooks into the loop. `on_iteration_end` may return a reason to stop the run cleanly.
 
-    def on_train_start(self, args, model_chunks, iteration: int) -> None: ...
+    Tensor capture's TensorCaptureCallback implements these methods (it is configured by a
+    CaptureConfig, so it does not derive from this class)."""
+
+    def on_train_start(self, model_chunks, iteration: int) -> None: ...
 
     def on_iteration_start(self, iteration: int) -> None: ...
 
@@ -94,14 +97,12 @@ class TrainingCallback:
     def on_train_end(self, exit_reason: str) -> None: ...
 
 
-def _capture_callback(args):
-    from megatron.tensor_capture.callback import build_capture_callback
-
-    return build_capture_callback(args)
-
-
-# Factories args -> callback or None, created once the model exists.
-CALLBACK_FACTORIES: List[Callable[[object], Optional[TrainingCallback]]] = [_capture_callback]
+def capture_callback(args) -> Optional[TensorCaptureCallback]:
+    """The tensor-capture callback when --save-tensors (or $TENSOR_SAVE_ENABLED) is on."""
+    if args.capture_config is None:
+        return None
+    return TensorCaptureCallback(args.capture_config, run_info={
+        "args": run_args(args), "quant_config": args.quant_config.describe(args.num_layers)})
 
 
 @dataclass
@@ -124,10 +125,9 @@ def setup_model_and_optimizer(args):
     """(ddp_model, raw GPTModel, optimizer, scheduler, transformer config)."""
     config = core_transformer_config_from_args(args)
     model = build_gpt_model(
-        args, config,
+        args, config, args.quant_config,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage())
-    assign_quantization(model, args.quant_config)
     raw_model = model
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -354,6 +354,14 @@ def pretrain(forward_step_func, argv: Optional[Sequence[str]] = None,
     start_time = time.time()
     args = parse_args(argv, extra_args_provider)
     validate_args(args)
+    return pretrain_with_args(forward_step_func, args, callbacks, keep_distributed, start_time)
+
+
+def pretrain_with_args(forward_step_func, args, callbacks: Sequence[TrainingCallback] = (),
+                       keep_distributed: bool = False,
+                       start_time: Optional[float] = None) -> TrainResult:
+    """`pretrain` for flags already parsed and validated (validate_args)."""
+    start_time = time.time() if start_time is None else start_time
     result = TrainResult()
     if args.quant_check:
         print(f"{args.quant_config.describe(args.num_layers)}\n"
@@ -397,9 +405,10 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     train_iter = build_data_iterator(train_ds, consumed_samples, args, dp_rank, dp_size)
     valid_iter = build_data_iterator(valid_ds, 0, args, dp_rank, dp_size, cyclic=True)
 
-    callbacks = callbacks + [cb for cb in (f(args) for f in CALLBACK_FACTORIES) if cb is not None]
+    capture = capture_callback(args)
+    callbacks = callbacks + ([capture] if capture is not None else [])
     for cb in callbacks:
-        cb.on_train_start(args, [ddp_model], iteration)
+        cb.on_train_start([ddp_model], iteration)
 
     micro_batch = {"index": 0}
 
@@ -478,16 +487,3 @@ def _exit_reason(args, iteration, start_time, signal_received, callback_stop) ->
     if args.exit_interval is not None and iteration % args.exit_interval == 0:
         return "exit-interval"
     return None
-
-
-def main(forward_step_func, argv=None, extra_args_provider=None) -> int:
-    """CLI entry: run pretrain, turn configuration errors into one clear line and exit code 2."""
-    from megatron.training.arguments import ConfigError
-    from megatron.training.tokenizer import TokenizerError
-
-    try:
-        result = pretrain(forward_step_func, argv, extra_args_provider)
-    except (ConfigError, TokenizerError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    return result.exit_code

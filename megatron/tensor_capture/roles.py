@@ -1,4 +1,6 @@
-"""Names of captured tensors, records, files and runs (see docs/capture-format.md).
+"""Which capture record each GEMM report is: its tensor name, operation and phase.
+
+File names, versions and the manifest schema live in format.py (docs/capture-format.md).
 
 Every GEMM report `(site kind, gemm, operand)` maps to one capture *role*: the tensor name
 analysis sees (`query`, `grad_input`, ...), the operation (`forward`/`backward`) and phase
@@ -10,13 +12,8 @@ own format and axis.
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Callable, Dict, Optional, Tuple
-
-FORMAT_VERSION = 1
+from typing import Dict, Optional, Tuple
 
 # Site kinds (megatron.quantization.schemes.SITE_KINDS) grouped by record component.
 COMPONENT_OF_KIND = {"linear": "linear", "output_layer": "linear",
@@ -95,82 +92,3 @@ def tensor_names(component: str):
     """Every tensor name a component ('attention' or 'linear') can produce."""
     tables = (LINEAR_ROLES,) if component == "linear" else (ATTN_QK_ROLES, ATTN_PV_ROLES)
     return {role.tensor_name: role for table in tables for role in table.values()}
-
-
-_EXPERT = re.compile(r"(?:^|\.)experts\.local_experts\.(\d+)\.([^.]+)$")
-_SHARED = re.compile(r"(?:^|\.)shared_experts\.([^.]+)$")
-
-
-def short_module_name(module_path: str, expert_offset: int = 0) -> str:
-    """The module field of file names: the last element of the module path.
-
-    Attention sites (`...core_attention.qk` / `.pv`) are named after the attention module;
-    routed experts carry their global index (`expert3_linear_fc1`), shared experts a prefix.
-    """
-    path = module_path
-    if path.endswith(".qk") or path.endswith(".pv"):
-        path = path[:-3]
-    match = _EXPERT.search(path)
-    if match:
-        return f"expert{int(match.group(1)) + expert_offset}_{match.group(2)}"
-    match = _SHARED.search(path)
-    if match:
-        return f"shared_experts_{match.group(1)}"
-    return path.rsplit(".", 1)[-1]
-
-
-def record_name(layer_type: str, layer: int, operation: str, phase: str, component_tag: str,
-                tensor_name: str, module: str) -> str:
-    """The name --tensor-save-filter matches: the file name without run, counter, scheme,
-    iteration, micro-batch and ranks, e.g. `linear_L2_forward_pre_linear_input_linear_fc1`."""
-    return f"{layer_type}_L{layer}_{operation}_{phase}_{component_tag}_{tensor_name}_{module}"
-
-
-def rank_suffix(world_size: int, tp: int, pp: int, dp: int) -> str:
-    return f"_tp{tp}_pp{pp}_dp{dp}" if world_size > 1 else ""
-
-
-def record_file_name(run_id: str, counter: int, metadata: dict, module: str) -> str:
-    """`{run_id}_{counter:06d}_{layer_type}_L{layer}_..._it{i}_mb{m}[_tp_pp_dp].pt`."""
-    m = metadata
-    return (f"{run_id}_{counter:06d}_{m['layer_type']}_L{m['layer_idx']}_{m['operation']}_"
-            f"{m['phase']}_{m['component']}_{m['quant_type']}_{m['tensor_name']}_{module}_"
-            f"it{m['iteration']}_mb{m['micro_batch']}"
-            f"{rank_suffix(m['world_size'], m['tp_rank'], m['pp_rank'], m['dp_rank'])}.pt")
-
-
-def run_file(directory: str, run_id: str) -> str:
-    return os.path.join(directory, f"run-{run_id}.json")
-
-
-def manifest_file(directory: str, run_id: str, rank: int) -> str:
-    return os.path.join(directory, f"manifest-{run_id}-rank{rank:05d}.jsonl")
-
-
-def summary_file(directory: str, run_id: str, rank: int) -> str:
-    return os.path.join(directory, f"summary-{run_id}-rank{rank:05d}.json")
-
-
-def base_run_id(now: Optional[datetime] = None) -> str:
-    return (now or datetime.now()).strftime("%Y%m%d_%H%M%S")
-
-
-def claim_run_id(directory: str, base: str,
-                 payload: Callable[[str], bytes] = lambda run_id: b"{}\n") -> str:
-    """Reserve a run id unique in `directory`: `base`, else `base-2`, `base-3`, ...
-
-    The reservation is the exclusive creation of `run-{id}.json`, so two runs starting in the
-    same second never share an id. `payload(run_id)` is written into the claimed file.
-    """
-    os.makedirs(directory, exist_ok=True)
-    suffix = 1
-    while True:
-        run_id = base if suffix == 1 else f"{base}-{suffix}"
-        try:
-            fd = os.open(run_file(directory, run_id), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            suffix += 1
-            continue
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload(run_id))
-        return run_id

@@ -1,4 +1,5 @@
-"""The tensor-capture argument group (flag names from the original system) and its validation.
+"""The tensor-capture flags (names from the original system), their validation, and the
+`CaptureConfig` built from them (`args.capture_config`, None when capture is off).
 
 `TENSOR_SAVE_ENABLED` and `TENSOR_SAVE_DIR` in the environment seed the defaults of
 `--save-tensors` and `--tensor-save-dir`; flags given on the command line win.
@@ -9,12 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatron.tensor_capture.config import MODES, CaptureConfig
 from megatron.tensor_capture.policy import GROUPS, parse_filter, parse_kinds, parse_layers
+from megatron.training.errors import ConfigError
 
 ENV_ENABLED = "TENSOR_SAVE_ENABLED"
 ENV_DIR = "TENSOR_SAVE_DIR"
 DEFAULT_DIR = "./enhanced_tensor_logs"
-MODES = ("full", "stats")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -75,8 +77,6 @@ def add_tensor_args(parser):
 
 
 def _env_flag(name: str) -> bool:
-    from megatron.training.arguments import ConfigError
-
     value = os.environ.get(name, "").strip().lower()
     if value in _TRUE:
         return True
@@ -87,9 +87,7 @@ def _env_flag(name: str) -> bool:
 
 
 def validate_tensor_args(args) -> None:
-    """Apply environment defaults and parse the selection flags into args.tensor_capture_*."""
-    from megatron.training.arguments import ConfigError
-
+    """Apply environment defaults, check the flags and set `args.capture_config`."""
     if args.save_tensors is None:
         args.save_tensors = _env_flag(ENV_ENABLED)
     if args.tensor_save_dir is None:
@@ -115,8 +113,41 @@ def validate_tensor_args(args) -> None:
         raise ConfigError(f"--tensor-save-drain-timeout {args.tensor_save_drain_timeout} is "
                           "invalid; valid: a positive number of seconds")
     try:
-        args.tensor_capture_layers = parse_layers(args.tensor_save_layers, args.num_layers)
-        args.tensor_capture_kinds = parse_kinds(args.tensor_save_kinds)
-        args.tensor_capture_filter = parse_filter(args.tensor_save_filter)
+        layers = parse_layers(args.tensor_save_layers, args.num_layers)
+        kinds = parse_kinds(args.tensor_save_kinds)
+        name_filter = parse_filter(args.tensor_save_filter)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    args.capture_config = None if not args.save_tensors else CaptureConfig(
+        root=args.tensor_save_dir, quant_scheme=args.quant_scheme, mode=args.tensor_save_mode,
+        control_iter=args.control_iter, micro_batches=args.collect_micro_batches,
+        layers=layers, kinds=kinds, name_filter=name_filter,
+        continue_on_error=bool(args.tensor_save_continue_on_error),
+        queue_records=args.tensor_save_queue_size,
+        queue_bytes=int(args.tensor_save_queue_mb * 2 ** 20),
+        drain_timeout=args.tensor_save_drain_timeout, train_iters=args.train_iters,
+        num_micro_batches=args.num_micro_batches)
+
+
+# The flags recorded in each capture's run-{run_id}.json (provenance for the analysis).
+RUN_ARGS = (
+    "model_preset", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "num_query_groups", "kv_channels", "seq_length", "micro_batch_size", "global_batch_size",
+    "num_micro_batches", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "data_parallel_size", "expert_model_parallel_size", "sequence_parallel", "num_experts",
+    "multi_latent_attention", "quant_scheme", "linear_quant", "attn_qk_quant", "attn_pv_quant",
+    "quant_backward", "mx_scale_mode", "mx_grad_format", "quant_skip_layers",
+    "quant_output_layer", "bf16", "fp16", "seed", "lr", "train_iters", "tokenizer_type",
+    "vocab_size", "padded_vocab_size", "mock_data", "data_path", "tensor_save_mode",
+    "tensor_save_layers", "tensor_save_filter", "tensor_save_kinds",
+)
+
+
+def run_args(args) -> dict:
+    """RUN_ARGS as JSON-ready values."""
+    out = {}
+    for name in RUN_ARGS:
+        value = getattr(args, name, None)
+        out[name] = value if isinstance(value, (bool, int, float, str, type(None))) else \
+            (list(value) if isinstance(value, (list, tuple)) else str(value))
+    return out

@@ -1,0 +1,100 @@
+"""The quantization converter: `apply_quantization(model, quant_config)`.
+
+The model builder calls it once on the built GPTModel (one pipeline stage). It
+
+1. turns every ColumnParallelLinear / RowParallelLinear into its quantized subclass and every
+   `LocalDotProductAttention` into `QuantDotProductAttention` -- same parameters, buffers and
+   state, only the GEMMs differ -- which covers QKV, proj, fc1, fc2, MLA projections (including
+   the down projections megatron-core only accepts as the exact ColumnParallelLinear class at
+   construction time), routed and shared experts, the output layer and core attention;
+2. names each GEMM site by its module path and global layer number and hands it its resolved
+   per-GEMM configuration.
+
+Nothing registers itself at import time: the classes a built model has depend only on the
+config passed here. The bf16 scheme runs the very same modules with quantization off, so a
+comparison differs only in the quantization.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron.quantization.attention import QuantDotProductAttention
+from megatron.quantization.layers import (
+    QuantColumnParallelLinear,
+    QuantizedLinearMixin,
+    QuantRowParallelLinear,
+)
+from megatron.quantization.local_attention import LocalDotProductAttention
+from megatron.quantization.observers import GemmSite
+from megatron.quantization.schemes import QuantConfig
+
+# Exact class -> quantized subclass (subclasses of these are someone else's modules: left alone).
+QUANTIZED_CLASS = {
+    ColumnParallelLinear: QuantColumnParallelLinear,
+    RowParallelLinear: QuantRowParallelLinear,
+    LocalDotProductAttention: QuantDotProductAttention,
+}
+
+# Modules whose GEMMs run in TransformerEngine kernels, which this converter cannot simulate.
+_TE_MODULE_PREFIXES = ("transformer_engine.", "megatron.core.extensions.transformer_engine")
+
+
+class QuantizationError(ValueError):
+    """A model the converter cannot quantize as asked."""
+
+
+def _layer_numbers(model: torch.nn.Module) -> Dict[str, int]:
+    return {name: m.layer_number for name, m in model.named_modules()
+            if isinstance(m, TransformerLayer)}
+
+
+def _owning_layer(name: str, layers: Dict[str, int]):
+    best = None
+    for prefix, number in layers.items():
+        if name.startswith(prefix + ".") and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, number)
+    return best[1] if best else None
+
+
+def _reject_transformer_engine(model: torch.nn.Module) -> None:
+    """A TransformerEngine module would silently stay in high precision: refuse it when
+    anything is to be quantized."""
+    for name, module in model.named_modules():
+        if type(module).__module__.startswith(_TE_MODULE_PREFIXES):
+            raise QuantizationError(
+                f"{name or 'model'} is a TransformerEngine module ({type(module).__name__}); "
+                "simulated quantization needs megatron-core's local modules (build the model "
+                "with the local layer spec)")
+
+
+def apply_quantization(model: torch.nn.Module, quant: QuantConfig) -> List[GemmSite]:
+    """Swap in the quantized modules and give every GEMM site of `model` its configuration.
+
+    Returns the sites in module order.
+    """
+    if quant.enabled:
+        _reject_transformer_engine(model)
+    for module in model.modules():
+        if type(module) in QUANTIZED_CLASS:
+            module.__class__ = QUANTIZED_CLASS[type(module)]
+    output_layer = getattr(model, "output_layer", None)
+    layers = _layer_numbers(model)
+    sites = []
+    for name, module in model.named_modules():
+        layer = _owning_layer(name, layers)
+        if isinstance(module, QuantizedLinearMixin):
+            kind = "output_layer" if module is output_layer else "linear"
+            module.quant_site = GemmSite(name, kind, layer, quant.for_site(kind, layer))
+            sites.append(module.quant_site)
+        elif isinstance(module, QuantDotProductAttention):
+            module.qk_site = GemmSite(f"{name}.qk", "attn_qk", layer,
+                                      quant.for_site("attn_qk", layer))
+            module.pv_site = GemmSite(f"{name}.pv", "attn_pv", layer,
+                                      quant.for_site("attn_pv", layer))
+            sites.extend([module.qk_site, module.pv_site])
+    return sites

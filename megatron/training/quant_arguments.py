@@ -1,0 +1,80 @@
+"""The simulated-GEMM flags and the `QuantConfig` built from them (`args.quant_config`).
+
+`--quant-scheme` is the one name of the scheme inside the code; `$CUSTOM_QUANT_TYPE` (the
+original system's variable) seeds its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron.quantization.schemes import (
+    ENV_SCHEME,
+    GRAD_FORMATS,
+    OVERRIDE_FORMATS,
+    SCHEMES,
+    QuantConfig,
+    SchemeError,
+    build_quant_config,
+    scheme_from_env,
+)
+from megatron.training.errors import ConfigError
+
+
+def add_quantization_args(parser):
+    group = parser.add_argument_group(title="simulated low-precision GEMMs")
+    group.add_argument("--quant-scheme", type=str, default=None, choices=SCHEMES,
+                       help="Which GEMMs are simulated in low precision: bf16 (none), "
+                            "FA_<fmt> (attention QK^T only; PV stays high precision unless "
+                            "--attn-pv-quant is given), linear_<fmt> (every parallel linear "
+                            "of every transformer layer), FA_linear_<fmt> (both), with fmt "
+                            f"mxfp8/mxfp4/hifp8. Default: ${ENV_SCHEME} if set, else bf16.")
+    group.add_argument("--linear-quant", type=str, default=None, choices=OVERRIDE_FORMATS,
+                       help="Override the element format of the linear layers ('none' = "
+                            "high precision).")
+    group.add_argument("--attn-qk-quant", type=str, default=None, choices=OVERRIDE_FORMATS,
+                       help="Override the format of the attention QK^T GEMMs.")
+    group.add_argument("--attn-pv-quant", type=str, default=None, choices=OVERRIDE_FORMATS,
+                       help="Quantize the attention PV (probabilities x values) GEMMs in this "
+                            "format (no scheme quantizes PV by itself).")
+    group.add_argument("--quant-backward", action=argparse.BooleanOptionalAction, default=True,
+                       help="Also quantize the backward GEMMs (dgrad and wgrad) of quantized "
+                            "sites; --no-quant-backward keeps them in high precision.")
+    group.add_argument("--mx-scale-mode", type=str, default="floor", choices=["floor", "rceil"],
+                       help="MX shared-scale rule: floor (OCP spec: floor(log2 amax) - emax) or "
+                            "rceil (NVIDIA recipe: ceil(log2(amax / max_normal))).")
+    group.add_argument("--mx-grad-format", type=str, default="e4m3", choices=GRAD_FORMATS,
+                       help="Element format of the gradient operands of MXFP8 GEMMs (E4M3 as "
+                            "in NVIDIA's MXFP8 recipe, or E5M2).")
+    group.add_argument("--quant-skip-layers", nargs="*", default=None,
+                       help="Transformer layers kept in high precision: 1-based numbers, "
+                            "ranges like 2-4, negative numbers from the end (e.g. 1 -1 keeps "
+                            "the first and last layer in bf16).")
+    group.add_argument("--quant-output-layer", action="store_true",
+                       help="Also quantize the output (LM head) layer with the linear format.")
+    group.add_argument("--quant-check", action="store_true",
+                       help="Print the effective per-GEMM quantization configuration and exit.")
+    return parser
+
+
+def quant_config_from_args(args) -> QuantConfig:
+    return build_quant_config(
+        scheme=args.quant_scheme, num_layers=args.num_layers, linear_quant=args.linear_quant,
+        attn_qk_quant=args.attn_qk_quant, attn_pv_quant=args.attn_pv_quant,
+        backward=args.quant_backward, scale_mode=args.mx_scale_mode,
+        grad_format=args.mx_grad_format, skip_layers=args.quant_skip_layers or (),
+        output_layer=args.quant_output_layer)
+
+
+def validate_quantization_args(args):
+    """Resolve the scheme (flag, else $CUSTOM_QUANT_TYPE, else bf16) into args.quant_config."""
+    try:
+        if args.quant_scheme is None:
+            args.quant_scheme = scheme_from_env()
+            args.quant_scheme_source = ENV_SCHEME if os.environ.get(ENV_SCHEME) else "default"
+        else:
+            args.quant_scheme_source = "--quant-scheme"
+        args.quant_config = quant_config_from_args(args)
+    except SchemeError as exc:
+        raise ConfigError(str(exc)) from None
