@@ -16,7 +16,7 @@ help:
 	@echo "make test        run all tests"
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
-	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis)"
+	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis, attention)"
 	@echo "make install     create $(VENV) and install the CPU stack"
 
 install: $(STAMP)
@@ -46,6 +46,7 @@ bench: install
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/capture.py
 	$(PY) benchmarks/analysis.py
+	$(PY) benchmarks/attention.py
 
 clean:
 	rm -rf runs reports .pytest_cache

@@ -1,4 +1,5 @@
-"""Core attention with simulated low-precision QK^T and PV GEMMs.
+"""Core attention with simulated low-precision QK^T and PV GEMMs, in memory linear in the
+sequence length.
 
 `QuantDotProductAttention` replaces megatron-core's unfused DotProductAttention. Its two GEMMs
 are separate quantization sites, configured independently:
@@ -6,106 +7,253 @@ are separate quantization sites, configured independently:
     qk  scores  = Q @ K^T   (reduction over the head dimension)
     pv  context = P @ V     (reduction over the key positions), P = softmax(scale * scores)
 
-Both run through `quantized_matmul`, so forward and backward GEMMs quantize their operands
-along their own reduction axes. Grouped-query attention is computed per key/value group
-(queries of a group stacked along the row axis) instead of repeating K and V for every head:
-the result is identical and K/V keep their natural size.
+Layout. Grouped-query attention is computed per key/value group: the queries of the heads of a
+group are stacked along the row axis, Q [b*groups, heads_per_group*sq, d] with row
+r*sq + i = (head r of the group, position i), so K and V keep their natural size.
 
-Fused kernels: when only the QK^T forward GEMM is quantized (no PV quantization, no observers)
-and no gradient is needed (evaluation), the result equals scaled_dot_product_attention on the
-pre-quantized Q and K (up to the kernel's floating-point order); on CUDA that fused path is used.
-Training keeps the unfused path even then: SDPA's backward would reuse the quantized Q and K,
-whereas this recipe quantizes every backward operand from the high-precision tensors. PV
-quantization needs the probabilities P materialised, so it always takes the unfused path.
+Three paths, chosen per call:
+
+* fused -- nothing in attention is quantized and nothing observes it (bf16 and linear_*
+  schemes): `scaled_dot_product_attention` with `is_causal=True` (no materialised mask), so
+  CUDA picks its flash or memory-efficient kernel, in training too.
+* chunked -- QK^T or PV quantized: the query rows are processed in chunks of a multiple of 32
+  rows. A chunk computes its full score rows, the softmax and P @ V; only Q, K and V are
+  saved, and backward recomputes each chunk (dK and dV accumulate over chunks, in fp32).
+  Memory is O(sequence) per layer. Every quantized operand is bit for bit the unfused path's:
+  fprop and dgrad operands are blocked along axes a chunk holds whole (the head dim, the key
+  axis, the value dim), and the wgrad operands (Q, dS, P, dO), blocked along the row axis,
+  are cut at multiples of 32 rows, so no MX block crosses a chunk (the last chunk keeps the
+  partial tail block of the unfused path). Results equal the unfused path's up to float
+  summation order.
+* unfused (the reference) -- the full [b, heads, sq, sk] scores, as megatron-core computes
+  them: used when an observer (tensor capture) watches a site, so captured tensors are whole
+  GEMM operands; for attention dropout in training, attention sinks (softmax offset), query-key
+  layer scaling and masks of another shape than [b or 1, 1, sq, sk]; and everywhere when
+  `impl` is "unfused" (--quant-attention-impl unfused, for checks and benchmarks).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
 
-from megatron.quantization.formats import fake_quantize
-from megatron.quantization.gemm import MatmulQuantConfig, quantized_matmul
-from megatron.quantization.observers import GemmSite, observer_for
+from megatron.quantization.gemm import MatmulQuantConfig, matmul_grads, quantized_matmul
 from megatron.quantization.local_attention import LocalDotProductAttention
+from megatron.quantization.observers import GemmSite, observer_for
+
+MX_ROWS = 32                   # chunks start at multiples of the MX block size
+CHUNK_BYTES = 32 * 2 ** 20     # fp32 score bytes of one chunk (all groups of the micro-batch)
+
+
+def chunk_bounds(rows: int, chunk_rows: int) -> List[Tuple[int, int]]:
+    """[(start, end)] covering `rows`, every start a multiple of MX_ROWS."""
+    if chunk_rows < MX_ROWS or chunk_rows % MX_ROWS:
+        raise ValueError(f"chunk_rows {chunk_rows} is not a positive multiple of {MX_ROWS}")
+    return [(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
+
+
+def default_chunk_rows(batch_groups: int, keys: int) -> int:
+    """Rows per chunk so that one chunk's fp32 scores take about CHUNK_BYTES."""
+    rows = CHUNK_BYTES // max(1, batch_groups * keys * 4)
+    return max(MX_ROWS, rows // MX_ROWS * MX_ROWS)
+
+
+def grouped_layout(query, key, value):
+    """[s, b, heads, d] -> q [b*groups, heads_per_group*sq, d], k_t [b*groups, d, sk],
+    v [b*groups, sk, dv]: the queries of one group share its K and V."""
+    sq, b, np_, hn = query.shape
+    sk, ng = key.size(0), key.size(2)
+    q = query.permute(1, 2, 0, 3).reshape(b * ng, (np_ // ng) * sq, hn)
+    k_t = key.permute(1, 2, 3, 0).reshape(b * ng, hn, sk)
+    v = value.permute(1, 2, 0, 3).reshape(b * ng, sk, value.size(3))
+    return q, k_t, v
+
+
+def heads_layout(context, query):
+    """[b*groups, heads_per_group*sq, dv] -> [sq, b, heads*dv]."""
+    sq, b, np_, _ = query.shape
+    context = context.view(b, np_, sq, -1).permute(2, 0, 1, 3)
+    return context.reshape(sq, b, -1)
+
+
+def _accumulate(total, part):
+    """K and V gather a contribution from every chunk: summed in fp32."""
+    part = part.float()
+    return part if total is None else total.add_(part)
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """out[:, rows] = probs_fn(q[:, rows], k_t, rows) @ v chunk by chunk (the PV GEMM per
+    pv_config). Only q, k_t and v are kept: backward recomputes each chunk's probabilities
+    under autograd and runs the PV GEMM's own backward on them, the very operations the
+    unfused path's autograd runs."""
+
+    @staticmethod
+    def forward(ctx, q, k_t, v, probs_fn, pv_config, bounds):
+        ctx.save_for_backward(q, k_t, v)
+        ctx.probs_fn, ctx.pv_config, ctx.bounds = probs_fn, pv_config, bounds
+        return torch.cat([quantized_matmul(probs_fn(q[:, r0:r1], k_t, r0, r1), v, pv_config)
+                          for r0, r1 in bounds], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_t, v = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        grad_q_parts, grad_k, grad_v = [], None, None
+        with torch.enable_grad():
+            k_leaf = k_t.detach().requires_grad_(need_k)
+            for r0, r1 in ctx.bounds:
+                q_leaf = q[:, r0:r1].detach().requires_grad_(need_q)
+                probs = ctx.probs_fn(q_leaf, k_leaf, r0, r1)
+                grad_probs, grad_v_part = matmul_grads(probs.detach(), v, grad_out[:, r0:r1],
+                                                       ctx.pv_config, need_b=need_v)
+                if need_v:
+                    grad_v = _accumulate(grad_v, grad_v_part)
+                leaves = [t for t, n in ((q_leaf, need_q), (k_leaf, need_k)) if n]
+                if not leaves:
+                    continue
+                grads = list(torch.autograd.grad(probs, leaves, grad_probs))
+                if need_q:
+                    grad_q_parts.append(grads.pop(0))
+                if need_k:
+                    grad_k = _accumulate(grad_k, grads.pop(0))
+        grad_q = torch.cat(grad_q_parts, dim=1) if need_q else None
+        grad_k = grad_k.to(k_t.dtype) if grad_k is not None else None
+        grad_v = grad_v.to(v.dtype) if grad_v is not None else None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 class QuantDotProductAttention(LocalDotProductAttention):
-    """Unfused attention whose QK^T and PV GEMMs are independently quantized sites."""
+    """Core attention whose QK^T and PV GEMMs are independently quantized sites."""
 
     qk_site: Optional[GemmSite] = None
     pv_site: Optional[GemmSite] = None
-    # Devices on which the fused SDPA kernel is used when it is equivalent (module docstring).
-    fused_devices: tuple = ("cuda",)
+    impl: str = "auto"     # "unfused": always the reference path (full scores)
+    # Query rows per chunk of the chunked path (a multiple of 32); None: from CHUNK_BYTES.
+    chunk_rows: Optional[int] = None
 
     @staticmethod
     def _config(site: Optional[GemmSite]) -> MatmulQuantConfig:
         return site.config if site is not None else MatmulQuantConfig()
 
+    @staticmethod
+    def _observer(site: Optional[GemmSite]):
+        return observer_for(site) if site is not None else None
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("packed sequences and attention bias need TransformerEngine attention")
-        attention_mask = self.default_attention_mask(query, key, attention_mask, attn_mask_type)
-        sq, b, np_, hn = query.shape
-        sk, ng = key.size(0), key.size(2)
-        rep = np_ // ng
-        hv = value.size(3)
-        # [s, b, heads, d] -> [b * groups, rep * s, d]: the queries of one group share its K/V.
-        q = query.permute(1, 2, 0, 3).reshape(b * ng, rep * sq, hn)
-        k_t = key.permute(1, 2, 3, 0).reshape(b * ng, hn, sk)
-        v = value.permute(1, 2, 0, 3).reshape(b * ng, sk, hv)
-
         qk_cfg, pv_cfg = self._config(self.qk_site), self._config(self.pv_site)
-        if self._fused_path_applies(query, qk_cfg, pv_cfg):
-            context = self._fused(q, k_t, v, attention_mask, qk_cfg, b, ng, rep, sq, sk)
-        else:
-            context = self._unfused(q, k_t, v, attention_mask, qk_cfg, pv_cfg, b, ng, rep, sq, sk)
-        # [b * groups, rep * sq, hv] -> [sq, b, heads * hv]
-        context = context.view(b, np_, sq, hv).permute(2, 0, 1, 3)
-        return context.reshape(sq, b, np_ * hv)
+        qk_obs, pv_obs = self._observer(self.qk_site), self._observer(self.pv_site)
+        observed = qk_obs is not None or pv_obs is not None
+        quantized = qk_cfg.enabled or pv_cfg.enabled
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        linear = self.impl == "auto" and self._plain_softmax()
+        if linear and not quantized and not observed:
+            return self._fused(query, key, value, attention_mask, mask_type)
 
-    def _unfused(self, q, k_t, v, attention_mask, qk_cfg, pv_cfg, b, ng, rep, sq, sk):
-        scores = quantized_matmul(q, k_t, qk_cfg, observer=self._observer(self.qk_site))
-        scores = (scores * self.softmax_scale).view(b, ng * rep, sq, sk)
+        q, k_t, v = grouped_layout(query, key, value)
+        if observed or not linear or not self._row_mask_ok(attention_mask):
+            mask = self.default_attention_mask(query, key, attention_mask, attn_mask_type)
+            context = self._unfused(q, k_t, v, mask, qk_cfg, pv_cfg, qk_obs, pv_obs, query, key)
+        else:
+            context = self._chunked(q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg,
+                                    query, key)
+        return heads_layout(context, query)
+
+    # -- which path ----------------------------------------------------------------------
+
+    def _plain_softmax(self) -> bool:
+        """Softmax without dropout RNG, sinks or layer scaling: what fused and chunked compute."""
+        dropout = self.training and self.config.attention_dropout > 0.0
+        return (not dropout and self.softmax_offset is None
+                and self.scale_mask_softmax.scale is None)
+
+    @staticmethod
+    def _row_mask_ok(mask) -> bool:
+        return mask is None or (mask.dim() == 4 and mask.size(1) == 1)
+
+    # -- fused: nothing quantized ----------------------------------------------------------
+
+    def _fused(self, query, key, value, attention_mask, mask_type):
+        sq, b, np_, _ = query.shape
+        sk, ng = key.size(0), key.size(2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        allowed = None
+        if causal and sq != sk:
+            # SDPA aligns is_causal top-left; megatron's mask is aligned bottom-right.
+            allowed = ~self.default_attention_mask(query, key, None, mask_type)
+            causal = False
+        elif attention_mask is not None:
+            allowed = ~attention_mask     # megatron: True = masked; SDPA: True = attend
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=causal,
+                                             scale=self.softmax_scale, enable_gqa=ng != np_)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    # -- chunked: quantized, linear memory -------------------------------------------------
+
+    def _chunked(self, q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg, query, key):
+        sq, sk, ng, rows = query.size(0), key.size(0), key.size(2), q.size(1)
+        bounds = chunk_bounds(rows, self.chunk_rows or default_chunk_rows(q.size(0), sk))
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+
+        def chunk_mask(r0: int, r1: int):
+            positions = torch.arange(r0, r1, device=q.device) % sq
+            if causal:
+                # causal_mask(): key j is hidden from query i when j > i + sk - sq.
+                keys = torch.arange(sk, device=q.device)
+                return (keys[None, :] > positions[:, None] + (sk - sq))[None, None]
+            if attention_mask is None:
+                return None
+            mask = attention_mask[:, :, positions, :]
+            # Per-sample masks [b, 1, ...] -> one per (sample, group) row block of q.
+            return mask.repeat_interleave(ng, dim=0) if mask.size(0) > 1 else mask
+
+        def probs_fn(q_c, k_t_, r0, r1):
+            scores = quantized_matmul(q_c, k_t_, qk_cfg) * self.softmax_scale
+            return self._masked_softmax(scores.unsqueeze(1), chunk_mask(r0, r1)).squeeze(1)
+
+        return _ChunkedAttention.apply(q, k_t, v, probs_fn, pv_cfg, bounds)
+
+    def _masked_softmax(self, scores, mask):
+        """megatron-core's FusedScaleMaskSoftmax (its torch path), for any number of rows."""
+        softmax = self.scale_mask_softmax
+        in_fp32 = softmax.input_in_float16 and softmax.softmax_in_fp32
+        x = scores.float() if in_fp32 else scores
+        if mask is not None:
+            x = softmax.mask_func(x, mask)
+        probs = torch.softmax(x, dim=-1)
+        return probs.to(scores.dtype) if in_fp32 else probs
+
+    # -- unfused: the reference --------------------------------------------------------------
+
+    def _unfused(self, q, k_t, v, attention_mask, qk_cfg, pv_cfg, qk_obs, pv_obs, query, key):
+        sq, b, np_, _ = query.shape
+        sk, ng = key.size(0), key.size(2)
+        scores = quantized_matmul(q, k_t, qk_cfg, observer=qk_obs)
+        scores = (scores * self.softmax_scale).view(b, np_, sq, sk)
         probs = self.scale_mask_softmax(scores, attention_mask, self.softmax_offset)
         if self.config.sequence_parallel:
             probs = self.attention_dropout(probs)
         else:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 probs = self.attention_dropout(probs)
-        probs = probs.view(b * ng, rep * sq, sk)
-        return quantized_matmul(probs, v, pv_cfg, observer=self._observer(self.pv_site))
+        probs = probs.view(b * ng, (np_ // ng) * sq, sk)
+        return quantized_matmul(probs, v, pv_cfg, observer=pv_obs)
 
-    def _fused_path_applies(self, query, qk_cfg, pv_cfg) -> bool:
-        return (query.device.type in self.fused_devices and not torch.is_grad_enabled()
-                and (not self.training or self.config.attention_dropout == 0.0)
-                and not pv_cfg.enabled and self.softmax_offset is None
-                and self._observer(self.qk_site) is None)
 
-    def _fused(self, q, k_t, v, attention_mask, qk_cfg, b, ng, rep, sq, sk):
-        # Quantized along the QK^T reduction axis (head dim), as the unfused forward GEMM does.
-        def quantize(x, fmt, axis):
-            if fmt == "none":
-                return x
-            return fake_quantize(x, fmt, axis=axis, scale_mode=qk_cfg.scale_mode,
-                                 saturate=qk_cfg.saturate_for(fmt))
-
-        q, k_t = quantize(q, qk_cfg.fprop.a, -1), quantize(k_t, qk_cfg.fprop.b, -2)
-        q4 = q.view(b, ng, rep * sq, -1)
-        k4 = k_t.transpose(1, 2).reshape(b, ng, sk, -1)
-        v4 = v.view(b, ng, sk, -1)
-        mask = None
-        if attention_mask is not None:
-            # megatron masks are True where attention is NOT allowed; SDPA wants the opposite.
-            allowed = ~attention_mask.expand(b, ng * rep, sq, sk)
-            mask = allowed.reshape(b, ng, rep * sq, sk)
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=self.softmax_scale)
-        return out.reshape(b * ng, rep * sq, -1)
-
-    @staticmethod
-    def _observer(site: Optional[GemmSite]):
-        return observer_for(site) if site is not None else None
+def reference_attention(module: QuantDotProductAttention, query, key, value, attention_mask,
+                        attn_mask_type=None) -> torch.Tensor:
+    """The unfused path of `module` (full scores), whichever path it would choose: the
+    reference the tests check the other paths against."""
+    q, k_t, v = grouped_layout(query, key, value)
+    mask = module.default_attention_mask(query, key, attention_mask, attn_mask_type)
+    context = module._unfused(q, k_t, v, mask, module._config(module.qk_site),
+                              module._config(module.pv_site), None, None, query, key)
+    return heads_layout(context, query)

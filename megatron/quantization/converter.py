@@ -96,5 +96,6 @@ def apply_quantization(model: torch.nn.Module, quant: QuantConfig) -> List[GemmS
                                       quant.for_site("attn_qk", layer))
             module.pv_site = GemmSite(f"{name}.pv", "attn_pv", layer,
                                       quant.for_site("attn_pv", layer))
+            module.impl = quant.attention_impl
             sites.extend([module.qk_site, module.pv_site])
     return sites

@@ -472,7 +472,16 @@ def _hifp8_spacing_table(dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(steps, dtype=dtype)
 
 
-_HIFP8_TABLES = {dtype: _hifp8_spacing_table(dtype) for dtype in (torch.float32, torch.float64)}
+_HIFP8_TABLES = {(dtype, torch.device("cpu")): _hifp8_spacing_table(dtype)
+                 for dtype in (torch.float32, torch.float64)}
+
+
+def _device_table(tables: dict, key, device: torch.device) -> torch.Tensor:
+    """tables[(key, device)], copied from the CPU table once per device (not once per call:
+    on an accelerator a host-to-device copy each call would stall the step)."""
+    if (key, device) not in tables:
+        tables[(key, device)] = tables[(key, torch.device("cpu"))].to(device)
+    return tables[(key, device)]
 # -q is below this exactly when q overflowed: q > 32768 means q >= 49152 on the HiF8 grid.
 _HIFP8_NEG_OVERFLOW = -(HIFP8_MAX + HIFP8_OVERFLOW) / 2
 
@@ -481,7 +490,7 @@ def _hifp8_round(work: torch.Tensor, sign_source: torch.Tensor, owned: bool,
                  saturate: bool) -> torch.Tensor:
     """HiF8 TA rounding of `work` (float32/64); returns a new tensor, or `work` if owned."""
     int_dtype, mbits_fp, _, field_max = _bit_layout(work.dtype)
-    table = _HIFP8_TABLES[work.dtype].to(work.device)
+    table = _device_table(_HIFP8_TABLES, work.dtype, work.device)
     field = (work.view(int_dtype) >> mbits_fp).bitwise_and_(field_max)
     # One gather from a 256-entry (float64: 2048) table beats a chain of piecewise ops.
     neg_step = table.index_select(0, field.reshape(-1)).view(field.shape)
@@ -508,11 +517,11 @@ def _hifp8_half_table(dtype: torch.dtype, saturate: bool, device: torch.device) 
     the float32 result cast back (one rounding, P6).
     """
     key = (dtype, saturate)
-    if key not in _HALF_TABLES:
+    if (key, torch.device("cpu")) not in _HALF_TABLES:
         values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
-        _HALF_TABLES[key] = _hifp8_round(values.float(), values, True, saturate).to(dtype)
-    table = _HALF_TABLES[key]
-    return table if table.device == device else table.to(device)
+        _HALF_TABLES[(key, torch.device("cpu"))] = _hifp8_round(
+            values.float(), values, True, saturate).to(dtype)
+    return _device_table(_HALF_TABLES, key, device)
 
 
 _HALF_TABLES = {}

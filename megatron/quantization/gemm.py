@@ -53,7 +53,8 @@ import torch.nn.functional as F
 
 from megatron.quantization.formats import SCALE_MODES, canonical_format, fake_quantize
 
-__all__ = ["OperandFormats", "MatmulQuantConfig", "quantized_matmul", "quantized_linear"]
+__all__ = ["OperandFormats", "MatmulQuantConfig", "quantized_matmul", "quantized_linear",
+           "matmul_grads"]
 
 Observer = Callable[..., None]
 
@@ -142,19 +143,26 @@ class _QuantizedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_c):
         a, b = ctx.saved_tensors
-        config, observer = ctx.config, ctx.observer
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            qg = _operand(observer, config, "dgrad", "grad_output", grad_c, config.dgrad.a,
-                          grad_c.dim() - 1)
-            qb = _operand(observer, config, "dgrad", "b", b, config.dgrad.b, b.dim() - 1)
-            grad_a = _result(observer, "dgrad", "grad_a", torch.matmul(qg, qb.transpose(-1, -2)))
-        if ctx.needs_input_grad[1]:
-            qa = _operand(observer, config, "wgrad", "a", a, config.wgrad.a, a.dim() - 2)
-            qg = _operand(observer, config, "wgrad", "grad_output", grad_c, config.wgrad.b,
-                          grad_c.dim() - 2)
-            grad_b = _result(observer, "wgrad", "grad_b", torch.matmul(qa.transpose(-1, -2), qg))
+        grad_a, grad_b = matmul_grads(a, b, grad_c, ctx.config, ctx.observer,
+                                      *ctx.needs_input_grad[:2])
         return grad_a, grad_b, None, None
+
+
+def matmul_grads(a, b, grad_c, config: MatmulQuantConfig, observer=None, need_a: bool = True,
+                 need_b: bool = True):
+    """(dA, dB) of C = A @ B: the dgrad and wgrad GEMMs quantized_matmul's backward runs."""
+    grad_a = grad_b = None
+    if need_a:
+        qg = _operand(observer, config, "dgrad", "grad_output", grad_c, config.dgrad.a,
+                      grad_c.dim() - 1)
+        qb = _operand(observer, config, "dgrad", "b", b, config.dgrad.b, b.dim() - 1)
+        grad_a = _result(observer, "dgrad", "grad_a", torch.matmul(qg, qb.transpose(-1, -2)))
+    if need_b:
+        qa = _operand(observer, config, "wgrad", "a", a, config.wgrad.a, a.dim() - 2)
+        qg = _operand(observer, config, "wgrad", "grad_output", grad_c, config.wgrad.b,
+                      grad_c.dim() - 2)
+        grad_b = _result(observer, "wgrad", "grad_b", torch.matmul(qa.transpose(-1, -2), qg))
+    return grad_a, grad_b
 
 
 class _QuantizedLinear(torch.autograd.Function):

@@ -35,6 +35,7 @@ SITE_KINDS = ("linear", "attn_qk", "attn_pv", "output_layer")
 GRAD_FORMATS = ("e4m3", "e5m2")
 OVERRIDE_FORMATS = ("none", "mxfp8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "hifp8")
 ENV_SCHEME = "CUSTOM_QUANT_TYPE"
+ATTENTION_IMPLS = ("auto", "unfused")
 
 NONE = MatmulQuantConfig()
 
@@ -99,6 +100,9 @@ class QuantConfig:
     output_layer: MatmulQuantConfig = NONE
     skip_layers: FrozenSet[int] = field(default_factory=frozenset)
     notes: tuple = ()
+    # Core attention: "auto" (fused kernel, or linear-memory chunks when quantized) or
+    # "unfused" (full scores, the reference path; for checks and benchmarks).
+    attention_impl: str = "auto"
 
     def for_site(self, kind: str, layer_number: Optional[int]) -> MatmulQuantConfig:
         """The config of a site of `kind` in transformer layer `layer_number` (1-based)."""
@@ -135,6 +139,8 @@ class QuantConfig:
             for gemm, (a, b) in (("fprop", fprop), ("dgrad", dgrad), ("wgrad", wgrad)):
                 ops = getattr(cfg, gemm)
                 lines.append(f"    {gemm:<6} {a}: {ops.a:<11} {b}: {ops.b}")
+        if self.attention_impl != "auto":
+            lines.append(f"  attention implementation: {self.attention_impl}")
         if self.skip_layers:
             layers = ", ".join(str(n) for n in sorted(self.skip_layers))
             lines.append(f"  layers kept in high precision: {layers}")
@@ -155,8 +161,12 @@ def parse_layer_list(items: Sequence[str], num_layers: int) -> FrozenSet[int]:
 def build_quant_config(scheme: str, num_layers: int, linear_quant: Optional[str] = None,
                        attn_qk_quant: Optional[str] = None, attn_pv_quant: Optional[str] = None,
                        backward: bool = True, scale_mode: str = "floor", grad_format: str = "e4m3",
-                       skip_layers: Sequence[str] = (), output_layer: bool = False) -> QuantConfig:
+                       skip_layers: Sequence[str] = (), output_layer: bool = False,
+                       attention_impl: str = "auto") -> QuantConfig:
     """Resolve a scheme plus overrides into a QuantConfig (overrides win and are noted)."""
+    if attention_impl not in ATTENTION_IMPLS:
+        raise SchemeError(f"unknown attention implementation {attention_impl!r}; valid: "
+                          f"{', '.join(ATTENTION_IMPLS)}")
     if grad_format not in GRAD_FORMATS:
         raise SchemeError(f"unknown gradient format {grad_format!r}; valid: {', '.join(GRAD_FORMATS)}")
     linear_fmt, qk_fmt = scheme_formats(scheme)
@@ -182,4 +192,5 @@ def build_quant_config(scheme: str, num_layers: int, linear_quant: Optional[str]
         output_layer=make(linear_fmt) if output_layer else NONE,
         skip_layers=parse_layer_list(skip_layers, num_layers),
         notes=tuple(notes),
+        attention_impl=attention_impl,
     )

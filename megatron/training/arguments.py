@@ -19,6 +19,7 @@ from typing import Callable, Iterable, List, Optional
 
 from megatron.training.capture_arguments import add_tensor_args, validate_tensor_args
 from megatron.training.errors import ConfigError
+from megatron.training.memory_arguments import add_memory_args, validate_memory_args
 from megatron.training.presets import MODEL_PRESETS, preset_defaults
 from megatron.training.quant_arguments import add_quantization_args, validate_quantization_args
 from megatron.training.tokenizer import add_tokenizer_args
@@ -353,6 +354,7 @@ ARGUMENT_GROUPS: List[Callable[[argparse.ArgumentParser], argparse.ArgumentParse
     _add_moe_args,
     _add_mla_args,
     _add_logging_args,
+    add_memory_args,
     add_quantization_args,
     add_tensor_args,
 ]
@@ -605,6 +607,7 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
 EXTRA_VALIDATORS: List[Callable[[argparse.Namespace], None]] = [
     validate_quantization_args,
     validate_tensor_args,
+    validate_memory_args,
 ]
 
 

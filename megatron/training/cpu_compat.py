@@ -145,6 +145,10 @@ def apply_cpu_patches() -> None:
     tensor_parallel.model_parallel_cuda_manual_seed = _cpu_manual_seed
     mrand._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrand._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute (CheckpointFunction) saves and restores the CUDA generator's state
+    # besides the CPU generator's and the tracker's; without CUDA there is none to keep.
+    mrand._get_cuda_rng_state = lambda *_a, **_k: None
+    mrand._set_cuda_rng_state = lambda *_a, **_k: None
 
     # Literal device="cuda" arguments, Tensor.cuda() and Tensor.type() checks (see the class).
     _device_mode = CudaToCpuMode()

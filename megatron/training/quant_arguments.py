@@ -10,6 +10,7 @@ import argparse
 import os
 
 from megatron.quantization.schemes import (
+    ATTENTION_IMPLS,
     ENV_SCHEME,
     GRAD_FORMATS,
     OVERRIDE_FORMATS,
@@ -53,6 +54,15 @@ def add_quantization_args(parser):
                             "the first and last layer in bf16).")
     group.add_argument("--quant-output-layer", action="store_true",
                        help="Also quantize the output (LM head) layer with the linear format.")
+    group.add_argument("--quant-attention-impl", type=str, default="auto",
+                       choices=ATTENTION_IMPLS,
+                       help="Core attention: auto (default: the fused kernel when attention is "
+                            "not quantized, exact linear-memory chunks when it is) or unfused "
+                            "(megatron-core's full [b, heads, s, s] scores: the reference path, "
+                            "O(s^2) memory; for checks and benchmarks).")
+    group.add_argument("--quant-compile", action="store_true",
+                       help="Run fake quantization through torch.compile (fused kernels; "
+                            "results are bit for bit those of eager mode).")
     group.add_argument("--quant-check", action="store_true",
                        help="Print the effective per-GEMM quantization configuration and exit.")
     return parser
@@ -64,7 +74,7 @@ def quant_config_from_args(args) -> QuantConfig:
         attn_qk_quant=args.attn_qk_quant, attn_pv_quant=args.attn_pv_quant,
         backward=args.quant_backward, scale_mode=args.mx_scale_mode,
         grad_format=args.mx_grad_format, skip_layers=args.quant_skip_layers or (),
-        output_layer=args.quant_output_layer)
+        output_layer=args.quant_output_layer, attention_impl=args.quant_attention_impl)
 
 
 def validate_quantization_args(args):

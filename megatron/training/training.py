@@ -28,6 +28,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from megatron.quantization.formats import set_compile
 from megatron.tensor_capture.callback import TensorCaptureCallback
 from megatron.training import checkpointing
 from megatron.training.arguments import format_args, parse_args, validate_args
@@ -135,7 +136,8 @@ def setup_model_and_optimizer(args):
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=True,
     )
@@ -168,6 +170,14 @@ def setup_model_and_optimizer(args):
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return ddp_model, raw_model, optimizer, scheduler, config
+
+
+def sync_params(ddp_model, args) -> None:
+    """With --overlap-param-gather the updated parameters arrive during the next forward:
+    gather them now (before evaluation or a checkpoint)."""
+    if args.overlap_param_gather:
+        ddp_model.disable_forward_pre_hook(param_sync=True)
+        ddp_model.enable_forward_pre_hook()
 
 
 def _device() -> torch.device:
@@ -254,16 +264,11 @@ class _SignalHandler:
             signal.signal(sig, handler)
 
 
-def _any_rank(flag: bool) -> bool:
-    value = torch.tensor([1.0 if flag else 0.0], device=_device())
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item() > 0)
-
-
-def _elapsed_minutes_max(start: float) -> float:
-    value = torch.tensor([(time.time() - start) / 60.0], device=_device())
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return value.item()
+def _max_over_ranks(*values: float) -> list:
+    """Element-wise max over all ranks: one all-reduce (one host sync) for several values."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=_device())
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,6 +388,10 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     print_rank_0(format_args(args))
+    set_compile(args.quant_compile)
+    if args.use_flash_attn:
+        print_rank_0("note: --use-flash-attn: attention uses the fused kernel by itself "
+                     "wherever nothing in attention is quantized")
     print_rank_0(f"{args.quant_config.describe(args.num_layers)}\n"
                  f"(scheme from {args.quant_scheme_source})")
     print_rank_0(f"[{_timestamp()}] tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} "
@@ -443,12 +452,14 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
                                  skipped, consumed_samples)
 
             if args.eval_interval and iteration % args.eval_interval == 0 and valid_iter:
+                sync_params(ddp_model, args)
                 val = evaluate(forward_step_func, valid_iter, ddp_model, args)
                 if val is not None:
                     result.val_losses[iteration] = val
                 logger.log_validation(iteration, val)
 
             if args.save and args.save_interval and iteration % args.save_interval == 0:
+                sync_params(ddp_model, args)
                 result.checkpoint = checkpointing.save_checkpoint(
                     args.save, iteration, raw_model, optimizer, scheduler, args,
                     consumed_samples, log=print_rank_0)
@@ -462,6 +473,7 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
         logger.close()
 
     if args.save and saved_at != iteration and iteration > 0:
+        sync_params(ddp_model, args)
         result.checkpoint = checkpointing.save_checkpoint(
             args.save, iteration, raw_model, optimizer, scheduler, args, consumed_samples,
             log=print_rank_0)
@@ -477,12 +489,13 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
 
 def _exit_reason(args, iteration, start_time, signal_received, callback_stop) -> Optional[str]:
     """Why the run should stop after this iteration (same answer on every rank), or None."""
-    if _any_rank(signal_received):
+    signal_any, callback_any, minutes = _max_over_ranks(
+        float(signal_received), float(callback_stop), (time.time() - start_time) / 60.0)
+    if signal_any > 0:
         return "signal"
-    if _any_rank(callback_stop):
+    if callback_any > 0:
         return "callback"
-    if args.exit_duration_in_mins is not None and \
-            _elapsed_minutes_max(start_time) > args.exit_duration_in_mins:
+    if args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins:
         return "exit-duration-in-mins"
     if args.exit_interval is not None and iteration % args.exit_interval == 0:
         return "exit-interval"

@@ -1,0 +1,173 @@
+"""The three attention paths against the unfused reference: chunked (quantized, linear
+memory), fused SDPA (nothing quantized) and the unfused path itself when observed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron.quantization import attention as attention_module
+from megatron.quantization.attention import (
+    QuantDotProductAttention, chunk_bounds, default_chunk_rows, reference_attention)
+from megatron.quantization.formats import fake_quantize
+from megatron.quantization.local_attention import causal_mask
+from megatron.quantization.observers import GemmSite, QuantizationCounter, register_observer, \
+    unregister_observer
+from megatron.quantization.schemes import site_config
+from megatron.training.model import core_transformer_config_from_args
+
+
+def _inputs(sq, b, heads, groups, dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sq, b, heads, dim, generator=g)
+    k = torch.randn(sq, b, groups, dim, generator=g) * 2.0
+    v = torch.randn(sq, b, groups, dim, generator=g)
+    return [t.to(dtype) for t in (q, k, v)]
+
+
+def _module(args, qk="none", pv="none", chunk_rows=None, dropout=0.0):
+    cfg = core_transformer_config_from_args(args)
+    cfg.attention_dropout = dropout
+    module = QuantDotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                      attention_type="self")
+    module.qk_site = GemmSite("attn.qk", "attn_qk", 1, site_config(qk, "e4m3", True, "floor"))
+    module.pv_site = GemmSite("attn.pv", "attn_pv", 1, site_config(pv, "e4m3", True, "floor"))
+    module.chunk_rows = chunk_rows
+    return module
+
+
+def _run(fn, inputs, grad):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _compare(module, inputs, mask, rtol, atol):
+    grad = torch.randn(inputs[0].size(0), inputs[0].size(1), inputs[0].size(2) * inputs[0].size(3),
+                       generator=torch.Generator().manual_seed(9)).to(inputs[0].dtype)
+    out, grads = _run(lambda q, k, v: module(q, k, v, mask), inputs, grad)
+    ref, ref_grads = _run(lambda q, k, v: reference_attention(module, q, k, v, mask), inputs, grad)
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    for mine, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(mine, theirs, rtol=rtol, atol=atol)
+
+
+# sq=72 with 4 heads per group: 288 rows, chunks of 64 end in a partial MX block (288 = 4*64+32)
+# and a chunk boundary falls inside a head's rows.
+@pytest.mark.parametrize("qk,pv", [("mxfp8", "none"), ("none", "mxfp8"), ("mxfp4", "mxfp4"),
+                                   ("hifp8", "hifp8"), ("mxfp8", "mxfp4")])
+@pytest.mark.parametrize("heads,groups", [(8, 2), (4, 4)])
+def test_chunked_equals_unfused_fp32(world_size_one, qk, pv, heads, groups):
+    module = _module(world_size_one, qk, pv, chunk_rows=64)
+    inputs = _inputs(72, 2, heads, groups, 32, torch.float32)
+    mask = causal_mask(72, 72, torch.device("cpu"))
+    _compare(module, inputs, mask, rtol=1e-4, atol=1e-5)
+    _compare(module, inputs, None, rtol=1e-4, atol=1e-5)   # causal mask made per chunk
+
+
+def test_chunked_equals_unfused_bf16(world_size_one):
+    module = _module(world_size_one, "mxfp8", "mxfp8", chunk_rows=32)
+    inputs = _inputs(40, 2, 4, 2, 32, torch.bfloat16)
+    # bf16: the GEMM results are rounded to bf16 per chunk (dK, dV: per chunk, then summed).
+    _compare(module, inputs, None, rtol=2e-2, atol=2e-2)
+
+
+def test_chunked_with_a_per_sample_padding_mask(world_size_one):
+    module = _module(world_size_one, "mxfp8", "mxfp8", chunk_rows=32)
+    module.attn_mask_type = AttnMaskType.padding
+    inputs = _inputs(48, 2, 4, 2, 32, torch.float32)
+    mask = causal_mask(48, 48, torch.device("cpu")).repeat(2, 1, 1, 1)
+    mask[1, :, :, 40:] = True          # sample 1: the last 8 keys are padding
+    mask[1, :, :, 0] = False
+    _compare(module, inputs, mask, rtol=1e-4, atol=1e-5)
+
+
+def test_chunks_never_cut_an_mx_block():
+    """The wgrad operands are blocked along the row axis: quantizing a chunk alone gives the
+    rows of quantizing the whole tensor, for every chunk including a partial last one."""
+    x = torch.randn(3, 288 + 17, 8, generator=torch.Generator().manual_seed(1)) * 10
+    whole = fake_quantize(x, "mxfp4", axis=1)
+    bounds = chunk_bounds(x.size(1), 64)
+    assert bounds[-1] == (256, 305) and all(r0 % 32 == 0 for r0, _ in bounds)
+    for r0, r1 in bounds:
+        assert torch.equal(fake_quantize(x[:, r0:r1], "mxfp4", axis=1), whole[:, r0:r1])
+    with pytest.raises(ValueError, match="not a positive multiple of 32"):
+        chunk_bounds(100, 48)
+    assert default_chunk_rows(16, 8192) == 64       # 32 MiB / (16 * 8192 * 4 B) rows
+    assert default_chunk_rows(1024, 8192) == 32     # never below one MX block
+
+
+def _saved_bytes(fn, inputs):
+    """Bytes of distinct tensors autograd keeps for backward while `fn` runs."""
+    seen = {}
+
+    def pack(t):
+        seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*leaves)
+    return sum(seen.values())
+
+
+def test_chunked_memory_is_linear_in_the_sequence(world_size_one):
+    module = _module(world_size_one, "mxfp8", "mxfp8", chunk_rows=64)
+    saved = {}
+    for sq in (128, 512):
+        inputs = _inputs(sq, 1, 4, 2, 32, torch.float32)
+        saved[sq] = (_saved_bytes(lambda q, k, v: module(q, k, v, None), inputs),
+                     _saved_bytes(lambda q, k, v: reference_attention(module, q, k, v, None),
+                                  inputs))
+    qkv = lambda sq: (4 + 2 + 2) * sq * 32 * 4  # noqa: E731  q, k, v in fp32
+    for sq, (chunked, reference) in saved.items():
+        assert chunked <= qkv(sq) * 1.01, (sq, chunked)          # only Q, K, V
+        assert reference >= 4 * sq * sq * 4, (sq, reference)     # at least the fp32 scores
+    assert saved[512][0] / saved[128][0] == pytest.approx(4.0, rel=0.01)
+
+
+def test_fused_path_for_unquantized_attention(world_size_one, monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", spy)
+    module = _module(world_size_one)
+    inputs = _inputs(40, 2, 4, 2, 32, torch.float32)
+    _compare(module, inputs, None, rtol=1e-4, atol=1e-5)
+    assert calls and calls[0]["is_causal"] and calls[0]["attn_mask"] is None
+    # A given mask is passed (inverted: SDPA's True means "attend").
+    calls.clear()
+    _compare(module, inputs, causal_mask(40, 40, torch.device("cpu")), rtol=1e-4, atol=1e-5)
+    assert calls and not calls[0]["is_causal"] and calls[0]["attn_mask"] is not None
+
+
+def test_observers_and_dropout_take_the_unfused_path(world_size_one, monkeypatch):
+    calls = []
+    real = attention_module._ChunkedAttention.apply
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(attention_module._ChunkedAttention, "apply", spy)
+    module = _module(world_size_one, "mxfp8", "mxfp8")
+    counter = register_observer(QuantizationCounter())
+    try:
+        q, k, v = _inputs(40, 2, 4, 2, 32, torch.float32)
+        out = module(q, k, v, None)
+    finally:
+        unregister_observer(counter)
+    assert not calls and out.shape == (40, 2, 128)
+    # The observer saw whole GEMM operands: the query of all 2*2 groups and 2*40 rows.
+    assert counter.quantized[("attn_qk", "fprop", "a", "mxfp8_e4m3")] == 1
+    module = _module(world_size_one, "mxfp8", "mxfp8", dropout=0.1)
+    module(q, k, v, None)
+    assert not calls
+    module.eval()                    # no dropout in evaluation: chunked again
+    module(q, k, v, None)
+    assert calls

@@ -1,0 +1,60 @@
+"""Checks that need a GPU: they run where CUDA is present and are skipped elsewhere.
+
+The CPU suite covers the same logic (test_attention_paths.py, test_formats.py,
+test_quantized_training.py); these confirm it on the device the users train on.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pretrain_gpt
+from megatron.quantization import attention as attention_module
+from megatron.quantization.formats import fake_quantize
+from megatron.training.training import pretrain
+
+from conftest import TINY_MOCK_ARGS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "hifp8")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+def test_fake_quantize_on_cuda_equals_cpu(fmt, dtype, scale_mode):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 96, generator=g) * torch.logspace(-12, 12, 96)).to(dtype)
+    x[0, :5] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e30]).to(dtype)
+    kwargs = {"saturate": True} if fmt == "hifp8" else {"scale_mode": scale_mode}
+    cpu = fake_quantize(x, fmt, axis=-1, **kwargs)
+    cuda = fake_quantize(x.cuda(), fmt, axis=-1, **kwargs).cpu()
+    assert torch.equal(cpu.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       cuda.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("scheme_args", [["--quant-scheme", "bf16"],
+                                         ["--quant-scheme", "FA_linear_mxfp8",
+                                          "--attn-pv-quant", "mxfp8"]])
+def test_two_iterations_on_cuda(scheme_args, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    result = pretrain(pretrain_gpt.forward_step,
+                      TINY_MOCK_ARGS + ["--train-iters", "2", "--bf16", *scheme_args])
+    assert result.iteration == 2 and all(torch.isfinite(torch.tensor(l))
+                                         for l in result.losses.values())
+
+
+def test_bf16_attention_takes_the_fused_kernel(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("is_causal"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", spy)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    pretrain(pretrain_gpt.forward_step,
+             TINY_MOCK_ARGS + ["--train-iters", "1", "--bf16", "--quant-scheme", "bf16"])
+    assert calls and all(calls)
