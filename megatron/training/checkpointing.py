@@ -23,7 +23,8 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron.training.arguments import ConfigError
+from megatron.training.checkpoint_files import verify_checkpoint
+from megatron.training.errors import ConfigError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 1
@@ -171,19 +172,30 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
+def checkpoint_to_load(root: str) -> Optional[str]:
+    """The checkpoint directory --load will read, verified (complete, metadata that is data
+    and not code: checkpoint_files.py); None when `root` holds no checkpoint yet."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    ckpt = checkpoint_dir(root, iteration)
+    if not os.path.isdir(ckpt):
+        raise ConfigError(f"--load {root}: {TRACKER_FILE} names iteration {iteration} but {ckpt} "
+                          "does not exist; fix the tracker file or use another --load")
+    verify_checkpoint(ckpt)
+    return ckpt
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print):
     """Restore model (and optimizer, scheduler, RNG unless disabled).
 
     Returns (iteration, consumed_samples); (0, 0) when `root` holds no checkpoint yet.
     """
-    iteration = read_tracker(root)
-    if iteration is None:
+    ckpt = checkpoint_to_load(root)
+    if ckpt is None:
         log(f"no checkpoint found in {root} ({TRACKER_FILE} missing): starting from scratch")
         return 0, 0
-    ckpt = checkpoint_dir(root, iteration)
-    if not os.path.isdir(ckpt):
-        raise ConfigError(f"--load {root}: {TRACKER_FILE} names iteration {iteration} but {ckpt} "
-                          "does not exist; fix the tracker file or use another --load")
+    iteration = read_tracker(root)
     check_model_shape(root, ckpt, args)
     use_optim = optimizer is not None and not args.no_load_optim
     if use_optim:

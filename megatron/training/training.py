@@ -397,6 +397,8 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     print_rank_0(f"[{_timestamp()}] tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} "
                  f"(padded to {args.padded_vocab_size})")
 
+    if args.load:
+        checkpointing.checkpoint_to_load(args.load)   # damaged or unsafe: stop before building
     ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
     n_params = count_parameters(raw_model)
     print(f" > number of parameters on (tensor, pipeline) model parallel rank "

@@ -1,0 +1,93 @@
+"""Checking a checkpoint directory before any reader opens it: checkpoints are data, not code.
+
+torch's distributed-checkpoint reader unpickles `.metadata` with plain `pickle`, which runs
+whatever a tampered file asks for. `verify_checkpoint` first reads that file with an
+unpickler that only builds the classes such metadata consists of, then checks that every file
+the checkpoint needs is there and as long as the metadata says. Each problem is one
+ConfigError line naming the file; `common.pt` is read elsewhere with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+
+from megatron.training.errors import ConfigError
+
+METADATA_FILE = ".metadata"
+REQUIRED_FILES = ("metadata.json", "common.pt", METADATA_FILE)
+
+# What torch's distributed-checkpoint metadata is made of (torch 2.x): its dataclasses and
+# enums, torch.Size, dtypes and the layout helper. Nothing here executes anything on load.
+_DCP = "torch.distributed.checkpoint"
+ALLOWED_GLOBALS = {
+    (f"{_DCP}.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {
+    (f"{_DCP}.planner", name) for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem",
+        "LoadItemType")
+} | {
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module, name):
+        if (module, name) in ALLOWED_GLOBALS or \
+                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise ConfigError(f"{self.path}: refusing to unpickle {module}.{name}: checkpoint "
+                          "metadata holds no such object; checkpoints from untrusted sources "
+                          "cannot be loaded")
+
+
+def read_metadata(path: str):
+    """The Metadata object of a `.metadata` file, built by the restricted unpickler."""
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f, path).load()
+    except ConfigError:
+        raise
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError,
+            TypeError, IndexError) as exc:
+        raise ConfigError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__}: "
+                          f"{exc}); the checkpoint is damaged") from None
+
+
+def verify_checkpoint(ckpt_dir: str) -> None:
+    """Raise ConfigError (one line) unless `ckpt_dir` is complete and its metadata is data."""
+    for name in REQUIRED_FILES:
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path} is missing: the checkpoint is incomplete or damaged")
+    metadata = read_metadata(os.path.join(ckpt_dir, METADATA_FILE))
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise ConfigError(f"{os.path.join(ckpt_dir, METADATA_FILE)}: no storage records; the "
+                          "checkpoint is damaged")
+    needed = {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ConfigError(f"{os.path.join(ckpt_dir, METADATA_FILE)}: storage record names "
+                              f"{name!r}, not a file of the checkpoint directory")
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path} is missing: the checkpoint is incomplete or damaged")
+        actual = os.path.getsize(path)
+        if actual < size:
+            raise ConfigError(f"{path} has {actual} bytes, the metadata needs at least {size}: "
+                              "the file is truncated")
