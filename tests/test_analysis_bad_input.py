@@ -138,3 +138,38 @@ def test_filters(capture, tmp_path):
                         "--layers", "1", "--iterations", "1")
     assert code == 0
     assert {g["operation"] for g in doc["groups"]} == {"forward"}
+
+
+class _Planted:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_planted_and_truncated_records_are_reported_not_loaded(capture, tmp_path):
+    root = _copy(capture, tmp_path)
+    directory = os.path.join(root, "FA_linear_mxfp8")
+    lines = [json.loads(line) for line in open(_manifest(directory))]
+    planted, truncated = (os.path.join(directory, lines[i]["file"]) for i in (0, 1))
+    torch.save({"format_version": 1, "payload": _Planted()}, planted)
+    with open(truncated, "r+b") as f:
+        f.truncate(64)
+    code, doc, _ = _run(tmp_path, "--tensor-dir", root)
+    assert code == 0
+    messages = sorted(p["message"] for p in doc["problems"] if p["kind"] == "unreadable_record")
+    assert len(messages) == 2
+    refused = next(m for m in messages if planted in m)
+    assert "refused: it holds objects other than tensors" in refused
+    assert "do not load it with weights_only=False" in refused
+    assert "unreadable record" in next(m for m in messages if truncated in m)
+    assert not any("weights_only=True" in m or "Weights only load failed" in m for m in messages)
+
+
+def test_a_killed_run_is_reported(capture, tmp_path):
+    root = _copy(capture, tmp_path)
+    directory = os.path.join(root, "FA_linear_mxfp8")
+    summary = os.path.join(directory, os.path.basename(_manifest(directory))
+                           .replace("manifest-", "summary-").replace(".jsonl", ".json"))
+    os.remove(summary)                     # what kill -9 leaves: no summary
+    code, doc, _ = _run(tmp_path, "--tensor-dir", root)
+    assert code == 0 and _kinds(doc) == ["unfinished_run"]
+    assert "did not end" in doc["problems"][0]["message"]

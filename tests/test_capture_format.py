@@ -89,3 +89,9 @@ def test_progress_counts_only_new_runs(tmp_path):
                                                      "manifest-old-rank00000.jsonl"]
     assert [cli("human", n).strip() for n in ("0", "1023", "1024", "5000000")] == \
         ["0 B", "1023 B", "1.0 KiB", "4.8 MiB"]
+
+
+def test_summary_for_manifest():
+    assert capture_format.summary_for_manifest("/d/manifest-20260101_000000-2-rank00003.jsonl") \
+        == "/d/summary-20260101_000000-2-rank00003.json"
+    assert capture_format.summary_for_manifest("/d/notes.jsonl") is None

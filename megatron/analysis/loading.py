@@ -145,6 +145,10 @@ def read_capture(directory: str, problems: Problems) -> Capture:
                 problems.add("run_error", f"{path}: the capture reported an error: "
                                           f"{summary['error']}")
     for path in capture_format.manifest_files(directory):
+        if not os.path.exists(capture_format.summary_for_manifest(path)):
+            problems.add("unfinished_run", f"{path}: the run has no summary file, so it did not "
+                                           "end (killed, or still running); the records its "
+                                           "manifest lists are complete, later ones are missing")
         for item in read_manifest_file(path, problems):
             entry = _entry(item, directory, capture.quant_scheme, problems)
             if entry is not None:

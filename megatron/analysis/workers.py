@@ -24,6 +24,7 @@ from megatron.analysis.progress import Progress
 from megatron.analysis.ranges import format_ranges
 from megatron.analysis.summarize import summarize_manifest_only, summarize_tensors
 from megatron.tensor_capture.format import short_module_name
+from megatron.tensor_capture.load import RecordError
 
 log = logging.getLogger("megatron.analysis")
 
@@ -94,8 +95,8 @@ def summarize_entry(entry: Entry, result: BatchResult, use_tensors: bool = True)
         try:
             record = load_record(entry.path)
         except Exception as exc:  # a missing or corrupt file must not stop the analysis
-            result.problems.append(_problem("unreadable_record",
-                                            f"{entry.path}: cannot load ({exc}); skipped"))
+            reason = str(exc) if isinstance(exc, RecordError) else f"{entry.path}: {exc}"
+            result.problems.append(_problem("unreadable_record", f"{reason}; skipped"))
             return
         t1 = time.perf_counter()
         result.seconds_load += t1 - t0

@@ -52,6 +52,14 @@ def manifest_run_id(path: str) -> Optional[str]:
     return match.group("run") if match else None
 
 
+def summary_for_manifest(path: str) -> Optional[str]:
+    """The summary file the run writes beside a manifest when it ends (same run and rank)."""
+    match = _MANIFEST_NAME.match(os.path.basename(path))
+    if match is None:
+        return None
+    return summary_file(os.path.dirname(path), match.group("run"), int(match.group("rank")))
+
+
 def short_module_name(module_path: str, expert_offset: int = 0) -> str:
     """The module field of file names: the last element of the module path.
 

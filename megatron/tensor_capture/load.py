@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import warnings
 from typing import List, Optional
 
@@ -22,10 +23,25 @@ from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture.format import manifest_files, read_json  # noqa: F401 (API)
 
 
+class RecordError(ValueError):
+    """A record file that cannot be read as a capture record (damaged, or not a record)."""
+
+
 def load_record(path: str, map_location="cpu") -> dict:
     """A record file as its dict (format_version, tensor, tensor_info, metadata, ...),
-    loaded with weights_only=True: no code is unpickled."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+    loaded with weights_only=True: no code is unpickled. A file that is missing raises
+    OSError; one that is damaged or holds anything but tensors and plain data, RecordError."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        # Not torch's advice to retry with weights_only=False: that would run the file's code.
+        raise RecordError(f"{path}: refused: it holds objects other than tensors and plain "
+                          "data, so it is not a tensor-capture record (do not load it with "
+                          "weights_only=False)") from None
+    except (RuntimeError, EOFError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecordError(f"{path}: unreadable record ({reason}); the file is truncated or "
+                          "damaged") from None
 
 
 def read_manifest(path: str, run_id: Optional[str] = None) -> List[dict]:
