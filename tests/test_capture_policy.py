@@ -176,3 +176,16 @@ def test_backward_keeps_the_micro_batch_of_its_forward():
                                          "weight_dgrad", "grad_input"], mb
         assert all(c[1] == 5 for c in calls)
         assert [c[4] for c in calls] == [True, True, False, True, True, False]
+
+
+def test_unwritable_capture_directory_fails_before_training(tmp_path, monkeypatch):
+    monkeypatch.delenv("TENSOR_SAVE_DIR", raising=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"--tensor-save-dir .*a-file/bf16: directory is not "
+                                          r"writable"):
+        validate_args(parse_args(ARGS + ["--save-tensors", "--quant-scheme", "bf16",
+                                         "--tensor-save-dir", str(blocker)]))
+    validate_args(parse_args(ARGS + ["--save-tensors", "--quant-scheme", "bf16",
+                                     "--tensor-save-dir", str(tmp_path / "new")]))
+    assert (tmp_path / "new" / "bf16").is_dir()

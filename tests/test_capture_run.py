@@ -17,6 +17,7 @@ from megatron.quantization.formats import fake_quantize
 from megatron.quantization.layers import QuantizedLinearMixin
 from megatron.tensor_capture.load import (
     load_record, read_manifest, read_runs, read_summaries)
+from megatron.training.errors import ConfigError
 from megatron.training.training import TrainingCallback, pretrain
 
 from conftest import REPO_ROOT, TINY_MOCK_ARGS
@@ -250,13 +251,12 @@ def test_continue_on_error_keeps_training(tmp_path, monkeypatch, capfd):
     assert len(assert_valid_manifest(tmp_path / SCHEME)) == 10
 
 
-def test_unwritable_directory(tmp_path, capfd):
+def test_unwritable_directory(tmp_path):
+    """Found while checking the flags, before the model is built or anything trains."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    result, _ = run(RUN_ARGS + ["--tensor-save-dir", str(blocker / "logs")])
-    assert result.exit_code == 1 and "Not a directory" in result.exit_reason
-    assert result.iteration == 1
-    assert count_errors(capfd.readouterr().err) == 1
+    with pytest.raises(ConfigError, match="--tensor-save-dir .*not writable \\(Not a directory\\)"):
+        run(RUN_ARGS + ["--tensor-save-dir", str(blocker / "logs")])
 
 
 def _free_port():

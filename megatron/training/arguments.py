@@ -600,6 +600,9 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
     args.params_dtype_name = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     for validate_group in EXTRA_VALIDATORS:
         validate_group(args)
+    if check_paths and args.capture_config is not None:
+        # Found now, not after the first iteration has trained.
+        _check_writable_dir("--tensor-save-dir", args.capture_config.directory)
     return args
 
 
