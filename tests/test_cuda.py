@@ -58,3 +58,17 @@ def test_bf16_attention_takes_the_fused_kernel(monkeypatch):
     pretrain(pretrain_gpt.forward_step,
              TINY_MOCK_ARGS + ["--train-iters", "1", "--bf16", "--quant-scheme", "bf16"])
     assert calls and all(calls)
+
+
+def test_memory_estimate_against_the_allocator(monkeypatch):
+    """The estimate of a 1-iteration bf16 run against the allocator's peak on this GPU: the
+    estimate leaves out the CUDA context and caching, so it may be somewhat lower, never far."""
+    from megatron.training.memory_estimate import estimate_memory, parse_estimate_args
+
+    argv = TINY_MOCK_ARGS + ["--train-iters", "1", "--bf16", "--quant-scheme", "FA_linear_mxfp8"]
+    estimate = estimate_memory(parse_estimate_args(argv + ["--world-size", "1"]))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    torch.cuda.reset_peak_memory_stats()
+    pretrain(pretrain_gpt.forward_step, argv)
+    peak = torch.cuda.max_memory_allocated()
+    assert 0.5 * peak <= estimate.total_bytes <= 1.5 * peak, (estimate.total_bytes, peak)

@@ -68,6 +68,10 @@ def test_full_recompute_really_recomputes():
       "uniform"], "cannot be combined with --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-method", "block",
       "--recompute-num-layers", "0"], "--recompute-num-layers 0 is invalid"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "3", "--num-layers", "4"], "to divide the 4 layers"),
+    (["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "3"], "exceeds the 2 layers"),
     (["--overlap-param-gather"], "needs --use-distributed-optimizer and --overlap-grad-reduce"),
     (["--recompute-activations", "--save-tensors"], "--save-tensors cannot be combined"),
 ])

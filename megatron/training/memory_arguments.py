@@ -63,6 +63,15 @@ def validate_memory_args(args: argparse.Namespace) -> None:
         if args.recompute_num_layers < 1:
             raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} is invalid; "
                               "valid: a positive number of layers")
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        if args.recompute_method == "uniform" and per_stage % args.recompute_num_layers:
+            # megatron-core would index past the last layer of the stage.
+            raise ConfigError(f"--recompute-method uniform needs --recompute-num-layers "
+                              f"{args.recompute_num_layers} to divide the {per_stage} layers of "
+                              "each pipeline stage")
+        if args.recompute_num_layers > per_stage:
+            raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} exceeds the "
+                              f"{per_stage} layers of each pipeline stage")
     elif args.recompute_method is not None or args.recompute_num_layers is not None:
         raise ConfigError("--recompute-method and --recompute-num-layers go with "
                           "--recompute-granularity full")
