@@ -13,7 +13,8 @@ runs with its output streamed, and this script exits with its exit code. --quant
 original name of --quant-scheme, is still accepted.
 
 Start-up stays light: nothing on the paths of --help, --list, --dry-run or --print-schemes
-imports torch or megatron.core.
+imports torch or megatron.core. --estimate-memory prints the per-GPU memory estimate of the
+command (megatron/training/memory_estimate/) instead of running it.
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ def build_parser(fa: bool = False) -> argparse.ArgumentParser:
     exp.add_argument("--check", action="store_true",
                      help="Like --dry-run, but exit 2 if an input (dataset, tokenizer) is "
                           "missing.")
+    exp.add_argument("--estimate-memory", action="store_true",
+                     help="Print the per-GPU memory estimate of the command (as "
+                          "tools/estimate_memory.py measures it) instead of running it; one "
+                          "estimate per quantization.")
 
     launch = parser.add_argument_group("launch")
     launch.add_argument("--nproc-per-node", type=_positive_int, default=None,
@@ -230,9 +235,10 @@ def experiments_from_args(parser, args, extra: Sequence[str], fa: bool) -> List[
     if args.dataset is None:
         parser.error(f"--dataset is required (valid: {', '.join(ex.ALL_DATASETS)})")
     quantizations = resolve_quantizations(parser, args, fa)
-    if len(quantizations) > 1 and not (args.dry_run or args.check or args.print_schemes):
+    if len(quantizations) > 1 and not (args.dry_run or args.check or args.print_schemes
+                                       or args.estimate_memory):
         parser.error(f"{len(quantizations)} quantizations given; a run takes one (several only "
-                     "with --dry-run or --check)")
+                     "with --dry-run, --check or --estimate-memory)")
     capture_given = [flag for flag, value in (("--tensor-save-dir", args.tensor_save_dir),
                                               ("--control-iter", args.control_iter),
                                               ("--collect-micro-batches",
@@ -294,6 +300,21 @@ def run(cmd: ex.Command) -> int:
     return 128 - code if code < 0 else code
 
 
+def estimate_memory(cmds: Sequence[ex.Command]) -> int:
+    """The per-GPU memory estimate of each command (nothing is launched or read from disk)."""
+    # Imported here: it needs torch and megatron-core, which the other paths never load.
+    from megatron.training.memory_estimate import main as estimate_main
+
+    code = 0
+    for i, cmd in enumerate(cmds):
+        if i:
+            print()
+        print(f"{PROG_TAG} {cmd.shell()}", flush=True)
+        code = max(code, estimate_main(cmd.pretrain_args
+                                       + ["--world-size", str(cmd.experiment.world_size)]))
+    return code
+
+
 def main(argv: Optional[Sequence[str]] = None, fa: bool = False) -> int:
     own, extra = split_extra(sys.argv[1:] if argv is None else argv)
     parser = build_parser(fa)
@@ -312,6 +333,8 @@ def main(argv: Optional[Sequence[str]] = None, fa: bool = False) -> int:
         cmd.env.clear()
         cmd.env.update(env)
         cmds.append(cmd)
+    if args.estimate_memory:
+        return estimate_memory(cmds)
     problems = ex.missing_inputs(exps[0])   # the same data and tokenizer for every command
     if args.dry_run or args.check or args.print_schemes:
         for cmd in cmds:

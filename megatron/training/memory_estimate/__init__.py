@@ -1,0 +1,68 @@
+"""Per-GPU memory of a training layout, measured on the meta device before anything is launched.
+
+    python tools/estimate_memory.py --world-size 8 --model-preset llama31-8b --seq-length 8192 \\
+        --micro-batch-size 1 --bf16 --tensor-model-parallel-size 2 --sequence-parallel \\
+        --use-distributed-optimizer --quant-scheme FA_linear_mxfp8
+
+The flags are pretrain_gpt.py's, parsed and validated by megatron.training.arguments, so a bad
+layout is rejected as a training run would reject it. Nothing is allocated: the models are built
+on PyTorch's meta device, where tensors have shapes and dtypes but no data. For the heaviest
+pipeline stage it reports
+
+* parameters -- the real model built with tensor/pipeline/expert parallel sizes 1, each
+  parameter divided as megatron-core splits it (`tensor_model_parallel` -> / TP; expert
+  parameters, `allreduce=False` -> / (EP x expert TP, which is TP)) and assigned to the stage
+  holding it (its layer; embedding: first stage; final norm, output layer: last stage; with tied
+  embeddings and PP > 1 the last stage also keeps a copy of the word embedding);
+* gradients -- megatron's main-grad buffer: fp32, bf16 with --grad-reduce-in-bf16;
+* optimizer state -- Adam's exp_avg and exp_avg_sq (SGD: its momentum) in fp32, plus an fp32
+  master copy of bf16/fp16 parameters, with and without the distributed optimizer (which shards
+  it over the data-parallel group, expert parameters over the expert-data-parallel group);
+* activations -- the bytes autograd saves for backward (saved_tensors_hooks, one count per
+  storage, parameters excluded) in a forward of a model built at one rank's shapes (heads, query
+  groups, FFN and expert widths and the vocabulary divided by TP) with the run's own flags
+  (quantization scheme, recompute, attention path). Per layer = saved(a + 1 layers) -
+  saved(a layers) (a = 1, or past a dense first layer or a recomputed block); a stage holds its
+  layers plus the embedding / output part, times the micro-batches in flight (under 1F1B the
+  first of PP stages holds PP);
+* recompute -- with --recompute-*, what backward re-creates at once (one recompute unit);
+* the largest temporary -- the largest tensor an op creates in forward or backward that is not
+  kept for backward (the fp32 logits, an attention chunk, a weight gradient, ...);
+
+and their total against the GPU's memory (--gpu-memory-gib, default 80).
+
+How the measurement stays faithful to a GPU run:
+
+* Sequence parallelism is modelled on the measured tensors: what is saved inside the modules
+  that run on the sequence slice (the layer norms, the MoE router, the layers' residual stream)
+  counts 1/TP; what the linears and attention save (their gathered inputs) counts in full.
+* Kernels. On the meta device (and on a CPU) two ops take a composite path where a GPU runs a
+  fused kernel that saves less: scaled_dot_product_attention (the math path keeps the score
+  matrix; the GPU's FlashAttention keeps q, k, v, the output and an fp32 log-sum-exp; CUDA adds
+  24 bytes of RNG state) and torch.nn.RMSNorm (the composite keeps fp32 copies; the GPU's
+  aten._fused_rms_norm keeps the input and rstd). During a measurement both calls go to the
+  fused forms: aten's flash-attention operator, and a function that saves what the derivative
+  formula of aten._fused_rms_norm saves. The quantized attention's chunked and unfused paths run
+  as they are.
+* MoE routing needs values, which meta tensors lack (megatron copies the tokens-per-expert counts
+  to the CPU and splits by them). Routing is measured with a balanced assignment: top-k indices
+  are given the values token t -> experts t*k .. t*k+k-1 (mod E), the routing tensors derived
+  from them are computed on the CPU beside their meta twins, and the ops that read values answer
+  from those. The dispatch runs megatron's all-gather dispatcher on one rank, which keeps per
+  rank what a balanced all-to-all keeps.
+* Not included: the CUDA context, communication buffers, allocator caching and fragmentation.
+"""
+
+from megatron.training.memory_estimate.activations import measure_activations, measure_saved
+from megatron.training.memory_estimate.kernels import single_rank_process_group
+from megatron.training.memory_estimate.layout import (
+    Layout, padded_vocab_size, parse_estimate_args, single_rank_args)
+from megatron.training.memory_estimate.parameters import parameters_per_stage
+from megatron.training.memory_estimate.report import (
+    GIB, MemoryEstimate, estimate_memory, format_estimate, main)
+
+__all__ = [
+    "GIB", "Layout", "MemoryEstimate", "estimate_memory", "format_estimate", "main",
+    "measure_activations", "measure_saved", "padded_vocab_size", "parameters_per_stage",
+    "parse_estimate_args", "single_rank_args", "single_rank_process_group",
+]

@@ -1,0 +1,268 @@
+"""The per-GPU memory estimate (megatron/training/memory_estimate/) against memory measured on
+the CPU: activations against real forwards (one process, and two TP ranks with sequence
+parallelism), parameters / gradients / optimizer state against a real training step, parameter
+accounting against the published totals; the launchers' layouts; errors; train_config.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pretrain_gpt
+import train_config
+from megatron.training import experiments as ex
+from megatron.training import memory_estimate as me
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.initialize import (
+    destroy_distributed, initialize_distributed, set_random_seeds)
+from megatron.training.model import build_gpt_model, core_transformer_config_from_args
+from megatron.training.presets import PUBLISHED_PARAMETER_COUNTS
+from megatron.training.training import setup_model_and_optimizer, train_step
+
+from conftest import REPO_ROOT
+from test_distributed import _free_port
+
+# llama-tiny's features (GQA, RoPE, SwiGLU, RMSNorm, tied embeddings) at test size.
+TINY = ["--model-preset", "llama-tiny", "--seq-length", "128", "--micro-batch-size", "2",
+        "--vocab-size", "512", "--bf16"]
+MXFP8_PV = ["--quant-scheme", "FA_linear_mxfp8", "--attn-pv-quant", "mxfp8"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
+       "--moe-layer-freq", "[0,1,1]"]
+
+
+def real_saved_bytes(args, num_layers: int) -> int:
+    """Bytes autograd saves in a forward of the real CPU model of `args` with `num_layers`."""
+    one = me.single_rank_args(args, num_layers=num_layers,
+                              padded_vocab_size=me.padded_vocab_size(args))
+    if args.num_experts is not None:
+        one.moe_layer_freq = list(args.moe_layer_freq)[:num_layers]
+    model = build_gpt_model(one, core_transformer_config_from_args(one), one.quant_config)
+    return me.measure_saved(model, one, True, True, "cpu").saved_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [[], MXFP8_PV, MOE], ids=["bf16", "FA_linear_mxfp8-pv", "moe"])
+def test_activations_equal_a_real_cpu_forward(world_size_one, extra):
+    """The meta-device measurement (2 layers, extrapolated) equals the bytes saved by a real
+    forward of the whole model; MoE: balanced routing saves what real routing saves."""
+    args = me.parse_estimate_args(TINY + ["--num-layers", "3"] + extra)
+    est = me.estimate_memory(args)
+    three, two = real_saved_bytes(args, 3), real_saved_bytes(args, 2)
+    assert est.activation_bytes_per_micro_batch == three
+    assert est.activation_bytes_per_layer == three - two
+
+
+@pytest.mark.parametrize("layers,recompute", [
+    (5, ["--recompute-activations"]),
+    # megatron-core's uniform method needs the layer count to be a multiple of the unit.
+    (6, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "2"]),
+    (5, ["--recompute-granularity", "full", "--recompute-method", "block",
+         "--recompute-num-layers", "2"]),
+], ids=["selective", "uniform-2", "block-2"])
+@pytest.mark.filterwarnings("ignore:If you are using transformer_engine")
+def test_recompute_activations_equal_a_real_cpu_forward(world_size_one, layers, recompute):
+    args = me.parse_estimate_args(TINY + MXFP8_PV + ["--num-layers", str(layers)] + recompute)
+    est = me.estimate_memory(args)
+    assert est.activation_bytes_per_micro_batch == real_saved_bytes(args, layers)
+    if "full" in recompute:       # backward re-creates whole layers
+        assert est.recompute_bytes >= est.activation_bytes_per_layer > 0
+
+
+def test_chunked_attention_is_linear_in_the_sequence(world_size_one):
+    def per_layer(seq, impl):
+        args = me.parse_estimate_args(TINY + MXFP8_PV + [
+            "--seq-length", str(seq), "--micro-batch-size", "1", "--quant-attention-impl", impl])
+        layout = me.Layout.from_args(args)
+        return me.measure_activations(args, layout, 0, me.padded_vocab_size(args),
+                                      temporary=False)[0]
+
+    chunked = [per_layer(s, "auto") for s in (256, 512, 1024)]
+    assert chunked[1] == 2 * chunked[0] and chunked[2] == 2 * chunked[1]
+    unfused = [per_layer(s, "unfused") for s in (256, 1024)]   # full [b, heads, s, s] scores
+    assert unfused[1] > 5 * unfused[0]
+
+
+_TP_WORKER = """
+import os, sys, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, {repo!r})
+from megatron.training import memory_estimate as me
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.initialize import (
+    destroy_distributed, initialize_distributed, set_random_seeds)
+from megatron.training.model import build_gpt_model, core_transformer_config_from_args
+
+args = validate_args(parse_args(sys.argv[1:] + ["--mock-data", "--train-iters", "1", "--lr", "1"]),
+                     check_paths=False)
+initialize_distributed(args)
+set_random_seeds(args.seed)
+args.padded_vocab_size = me.padded_vocab_size(args)
+model = build_gpt_model(args, core_transformer_config_from_args(args), args.quant_config)
+saved = me.measure_saved(model, args, True, True, "cpu").saved_bytes
+# One file per rank: two ranks printing to one pipe can interleave their lines.
+with open(os.path.join({out!r}, f"saved-{{args.rank}}"), "w") as f:
+    f.write(str(saved))
+destroy_distributed()
+"""
+
+
+def test_tensor_and_sequence_parallel_ranks_save_what_is_estimated(tmp_path):
+    """Two real TP ranks with sequence parallelism against the single-rank measurement with
+    per-rank shapes and the SP model. At TP > 1 the vocabulary-parallel embedding also keeps
+    its [b, s] boolean mask of out-of-range tokens, which one rank never creates."""
+    flags = TINY + MXFP8_PV + ["--num-layers", "3", "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel"]
+    worker = tmp_path / "worker.py"
+    worker.write_text(_TP_WORKER.format(repo=REPO_ROOT, out=str(tmp_path)))
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), str(worker), *flags],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    saved = {rank: int((tmp_path / f"saved-{rank}").read_text()) for rank in (0, 1)}
+    assert sorted(saved) == [0, 1] and saved[0] == saved[1]
+    est = me.estimate_memory(me.parse_estimate_args(flags + ["--world-size", "2"]))
+    embedding_mask = 2 * 128
+    assert saved[0] - est.activation_bytes_per_micro_batch == embedding_mask
+    # Without sequence parallelism the same model keeps more.
+    no_sp = me.estimate_memory(me.parse_estimate_args(
+        [f for f in flags if f != "--sequence-parallel"] + ["--world-size", "2"]))
+    assert no_sp.activation_bytes_per_micro_batch > est.activation_bytes_per_micro_batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters, gradients, optimizer state
+# ---------------------------------------------------------------------------------------------
+
+
+def _batches(args):
+    b, s = args.micro_batch_size, args.seq_length
+    while True:
+        tokens = torch.randint(0, 500, (b, s + 1))
+        yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(b, s),
+               "position_ids": torch.arange(s).expand(b, s)}
+
+
+def _allocated_by_one_training_step(flags, monkeypatch):
+    """(parameter, DDP grad-buffer, optimizer-state bytes) of a real one-step CPU run."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    args = validate_args(parse_args(flags + ["--mock-data", "--train-iters", "1", "--lr", "1e-3"]),
+                         check_paths=False)
+    initialize_distributed(args)
+    try:
+        set_random_seeds(args.seed)
+        args.padded_vocab_size = me.padded_vocab_size(args)
+        ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
+        train_step(pretrain_gpt.forward_step, _batches(args), ddp_model, optimizer, scheduler,
+                   args)
+        params = {id(p): p for p in raw_model.parameters()}.values()
+        param_storages = {p.untyped_storage()._cdata for p in params}
+        grad_buffers = list(ddp_model.buffers) + list(ddp_model.expert_parallel_buffers)
+        state = 0
+        for inner in (o.optimizer for o in optimizer.chained_optimizers):
+            # fp32 master weights: the optimizer's own parameters (not the model's storage).
+            masters = {id(p): p for group in inner.param_groups for p in group["params"]
+                       if p.untyped_storage()._cdata not in param_storages}
+            state += sum(p.nbytes for p in masters.values())
+            state += sum(v.nbytes for s in inner.state.values() for k, v in s.items()
+                         if k in ("exp_avg", "exp_avg_sq"))
+        return (sum(p.nbytes for p in params),
+                sum(b.grad_data.nbytes for b in grad_buffers), state)
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("extra", [
+    ["--bf16"],
+    ["--bf16", "--use-distributed-optimizer", "--grad-reduce-in-bf16"],
+    [],
+], ids=["bf16", "bf16-distopt-bf16grads", "fp32"])
+def test_parameters_gradients_optimizer_equal_a_real_training_step(monkeypatch, extra):
+    """Every size of llama-tiny is a multiple of 128, so megatron's buffers carry no padding."""
+    flags = [f for f in TINY if f != "--bf16"] + ["--num-layers", "2"] + extra
+    params, grads, state = _allocated_by_one_training_step(flags, monkeypatch)
+    est = me.estimate_memory(me.parse_estimate_args(flags))
+    assert (est.parameter_bytes, est.gradient_bytes, est.optimizer_state_bytes) == \
+        (params, grads, state)
+
+
+@pytest.mark.parametrize("name,flags,world,check", [
+    ("llama31-8b", ["--pipeline-model-parallel-size", "2"], 2,
+     lambda stages, published: sum(s.count for s in stages) == published),
+    # Tied embeddings: the last stage keeps its own copy of the word embedding.
+    ("llama32-1b", ["--pipeline-model-parallel-size", "2"], 2,
+     lambda stages, published: sum(s.count for s in stages) == published + 128256 * 2048),
+    # Norm weights (2 per layer + the final one) are replicated over tensor parallelism.
+    ("llama31-8b", ["--tensor-model-parallel-size", "2"], 2,
+     lambda stages, published: 2 * stages[0].count - 65 * 4096 == published),
+    ("deepseek2-lite", ["--expert-model-parallel-size", "8"], 8,
+     lambda stages, published: stages[0].dense + 8 * stages[0].expert == published),
+], ids=["llama31-8b-pp2", "llama32-1b-pp2", "llama31-8b-tp2", "deepseek2-lite-ep8"])
+def test_parameter_accounting_adds_up_to_the_published_totals(name, flags, world, check):
+    vocab = "102400" if name == "deepseek2-lite" else "128256"
+    args = me.parse_estimate_args(["--model-preset", name, "--micro-batch-size", "1",
+                                   "--vocab-size", vocab, "--world-size", str(world), *flags])
+    with me.single_rank_process_group():
+        stages = me.parameters_per_stage(args, me.Layout.from_args(args),
+                                         me.padded_vocab_size(args))
+    assert check(stages, PUBLISHED_PARAMETER_COUNTS[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# The launchers, errors, train_config.py
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ex.MATRIX_MODELS)
+def test_launcher_default_layouts_fit_80_gb(model):
+    """The examples/llama launchers' layouts (generated from the matrix), 8 GPUs, bf16."""
+    exp = ex.Experiment(model=model, dataset="wikipedia", quant_scheme="bf16")
+    cmd = ex.build_command(exp, "pretrain_gpt.py")
+    args = me.parse_estimate_args(cmd.pretrain_args + ["--world-size", str(exp.world_size)])
+    est = me.estimate_memory(args)
+    assert est.fits and est.gpu_memory_bytes == 80 * me.GIB
+    assert est.total_bytes > est.parameter_bytes + est.activation_bytes > 10 * me.GIB
+    assert "fits" in me.format_estimate(est, args)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model-preset", "nope"], "invalid choice: 'nope'"),
+    (TINY + ["--tensor-model-parallel-size", "3", "--world-size", "3"],
+     "--num-attention-heads 8 is not divisible by --tensor-model-parallel-size 3"),
+    (TINY + ["--tensor-model-parallel-size", "2", "--world-size", "3"],
+     "world size 3 is not divisible"),
+    (TINY + ["--world-size", "0"], "--world-size 0 must be >= 1"),
+])
+def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
+    assert me.main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert captured.out == ""
+
+
+def test_the_tool_runs_from_anywhere(tmp_path):
+    tool = os.path.join(REPO_ROOT, "tools", "estimate_memory.py")
+    bad = subprocess.run([sys.executable, tool, "--model-preset", "nope"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    good = subprocess.run([sys.executable, tool, *TINY, "--world-size", "1"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=300)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert "Memory per GPU" in good.stdout and "fits" in good.stdout
+
+
+def test_train_config_estimate_memory(capsys):
+    assert train_config.main(["--model", "llama-tiny", "--dataset", "mock", "--quant-scheme",
+                              "bf16,FA_linear_mxfp8", "--estimate-memory"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Memory per GPU") == 2 and out.count("[train_config] ") == 2
+    assert "quant scheme FA_linear_mxfp8" in out and "of 80.00 GiB: fits" in out
