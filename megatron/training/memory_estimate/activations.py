@@ -124,17 +124,23 @@ def run_forward(model, args, pre_process: bool, post_process: bool, device):
 @contextlib.contextmanager
 def _own_moe_loss_tracker():
     """megatron-core logs MoE auxiliary losses in a process-wide dict sized by the first model
-    that logs; each measured model gets an empty one, and the caller's comes back after."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    that logs, and keeps the aux-loss backward scale in a class attribute created on the
+    device of the first backward: each measured model gets its own, and the caller's come
+    back after (a meta-device scale left behind would break the next real training run)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker)
 
     tracker = get_moe_layer_wise_logging_tracker()
     kept = dict(tracker)
+    kept_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     tracker.clear()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     try:
         yield
     finally:
         tracker.clear()
         tracker.update(kept)
+        MoEAuxLossAutoScaler.main_loss_backward_scale = kept_scale
 
 
 def measure_saved(model, args, pre_process: bool, post_process: bool, device, tp: int = 1,
