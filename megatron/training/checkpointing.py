@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -172,9 +172,9 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
-def checkpoint_to_load(root: str) -> Optional[str]:
-    """The checkpoint directory --load will read, verified (complete, metadata that is data
-    and not code: checkpoint_files.py); None when `root` holds no checkpoint yet."""
+def checkpoint_to_load(root: str) -> Optional[Tuple[int, str]]:
+    """(iteration, directory) of the checkpoint --load will read, verified (complete, metadata
+    that is data and not code: checkpoint_files.py); None when `root` holds none yet."""
     iteration = read_tracker(root)
     if iteration is None:
         return None
@@ -183,19 +183,20 @@ def checkpoint_to_load(root: str) -> Optional[str]:
         raise ConfigError(f"--load {root}: {TRACKER_FILE} names iteration {iteration} but {ckpt} "
                           "does not exist; fix the tracker file or use another --load")
     verify_checkpoint(ckpt)
-    return ckpt
+    return iteration, ckpt
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print):
-    """Restore model (and optimizer, scheduler, RNG unless disabled).
+def load_checkpoint(root: str, found: Optional[Tuple[int, str]], model, optimizer, scheduler,
+                    args, log=print):
+    """Restore model (and optimizer, scheduler, RNG unless disabled) from `found`, what
+    checkpoint_to_load(root) returned before the model was built.
 
     Returns (iteration, consumed_samples); (0, 0) when `root` holds no checkpoint yet.
     """
-    ckpt = checkpoint_to_load(root)
-    if ckpt is None:
+    if found is None:
         log(f"no checkpoint found in {root} ({TRACKER_FILE} missing): starting from scratch")
         return 0, 0
-    iteration = read_tracker(root)
+    iteration, ckpt = found
     check_model_shape(root, ckpt, args)
     use_optim = optimizer is not None and not args.no_load_optim
     if use_optim:

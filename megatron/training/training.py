@@ -397,8 +397,8 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     print_rank_0(f"[{_timestamp()}] tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} "
                  f"(padded to {args.padded_vocab_size})")
 
-    if args.load:
-        checkpointing.checkpoint_to_load(args.load)   # damaged or unsafe: stop before building
+    # A damaged or unsafe checkpoint stops the run before anything is built.
+    to_load = checkpointing.checkpoint_to_load(args.load) if args.load else None
     ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
     n_params = count_parameters(raw_model)
     print(f" > number of parameters on (tensor, pipeline) model parallel rank "
@@ -408,7 +408,7 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     iteration, consumed_samples = 0, 0
     if args.load:
         iteration, consumed_samples = checkpointing.load_checkpoint(
-            args.load, raw_model, optimizer, scheduler, args, log=print_rank_0)
+            args.load, to_load, raw_model, optimizer, scheduler, args, log=print_rank_0)
 
     train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
