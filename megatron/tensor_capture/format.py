@@ -212,6 +212,12 @@ def capture_files(directory: str, pattern: str) -> List[str]:
     return sorted(glob.glob(os.path.join(glob.escape(directory), pattern)))
 
 
+def summary_files(directory: str, run_id: Optional[str] = None) -> List[str]:
+    """Summary paths in a capture directory (of one run, or of every run), sorted."""
+    run = glob.escape(run_id) if run_id is not None else "*"
+    return capture_files(directory, f"summary-{run}-rank*.json")
+
+
 def manifest_files(directory: str, run_id: Optional[str] = None) -> List[str]:
     """Manifest paths in a capture directory (one per rank and run), sorted."""
     return [path for path in capture_files(directory, MANIFEST_GLOB)

@@ -78,5 +78,4 @@ def read_runs(directory: str) -> List[dict]:
 
 def read_summaries(directory: str, run_id: Optional[str] = None) -> List[dict]:
     """The per-rank summary files (present once a run has ended)."""
-    pattern = f"summary-{run_id or '*'}-rank*.json"
-    return [read_json(p) for p in capture_format.capture_files(directory, pattern)]
+    return [read_json(p) for p in capture_format.summary_files(directory, run_id)]

@@ -55,15 +55,16 @@ def count(directory: str, since: Optional[str]) -> tuple:
 def errors(directory: str, since: Optional[str]) -> List[str]:
     """The `error` of each summary of the new runs (an unreadable summary is an error too)."""
     found = []
-    run_ids = sorted({capture_format.manifest_run_id(p) for p in new_manifests(directory, since)})
-    for run_id in run_ids:
-        for path in capture_format.capture_files(directory, f"summary-{run_id}-rank*.json"):
-            try:
-                error = capture_format.read_json(path).get("error")
-            except (OSError, ValueError) as exc:
-                error = f"unreadable summary {path}: {exc}"
-            if error:
-                found.append(str(error))
+    for manifest in new_manifests(directory, since):
+        path = capture_format.summary_for_manifest(manifest)
+        if not os.path.exists(path):
+            continue        # the run has not ended yet
+        try:
+            error = capture_format.read_json(path).get("error")
+        except (OSError, ValueError) as exc:
+            error = f"unreadable summary {path}: {exc}"
+        if error:
+            found.append(str(error))
     return found
 
 
