@@ -3,6 +3,7 @@ non-editable install that works from any directory."""
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -173,10 +174,14 @@ def test_model_build_does_not_depend_on_import_order(tmp_path):
 def installed(tmp_path_factory):
     """`pip install --no-deps --target` of the checkout (a copy: the build must not write
     into the working tree)."""
+    source = tmp_path_factory.mktemp("source")
+    shutil.copy(os.path.join(REPO_ROOT, "setup.py"), source)
+    shutil.copytree(PACKAGE_DIR, source / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     target = tmp_path_factory.mktemp("site")
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-cache-dir", "--target", str(target), REPO_ROOT],
+         "--no-cache-dir", "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return str(target)
