@@ -157,13 +157,11 @@ class QuantDotProductAttention(LocalDotProductAttention):
         if linear and not quantized and not observed:
             return self._fused(query, key, value, attention_mask, mask_type)
 
-        q, k_t, v = grouped_layout(query, key, value)
         if observed or not linear or not self._row_mask_ok(attention_mask):
-            mask = self.default_attention_mask(query, key, attention_mask, attn_mask_type)
-            context = self._unfused(q, k_t, v, mask, qk_cfg, pv_cfg, qk_obs, pv_obs, query, key)
-        else:
-            context = self._chunked(q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg,
-                                    query, key)
+            return self._reference(query, key, value, attention_mask, attn_mask_type,
+                                   qk_obs, pv_obs)
+        q, k_t, v = grouped_layout(query, key, value)
+        context = self._chunked(q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg, query, key)
         return heads_layout(context, query)
 
     # -- which path ----------------------------------------------------------------------
@@ -233,6 +231,14 @@ class QuantDotProductAttention(LocalDotProductAttention):
 
     # -- unfused: the reference --------------------------------------------------------------
 
+    def _reference(self, query, key, value, attention_mask, attn_mask_type, qk_obs, pv_obs):
+        """The unfused path on [s, b, heads, d] inputs, reporting to the given observers."""
+        q, k_t, v = grouped_layout(query, key, value)
+        mask = self.default_attention_mask(query, key, attention_mask, attn_mask_type)
+        context = self._unfused(q, k_t, v, mask, self._config(self.qk_site),
+                                self._config(self.pv_site), qk_obs, pv_obs, query, key)
+        return heads_layout(context, query)
+
     def _unfused(self, q, k_t, v, attention_mask, qk_cfg, pv_cfg, qk_obs, pv_obs, query, key):
         sq, b, np_, _ = query.shape
         sk, ng = key.size(0), key.size(2)
@@ -252,8 +258,4 @@ def reference_attention(module: QuantDotProductAttention, query, key, value, att
                         attn_mask_type=None) -> torch.Tensor:
     """The unfused path of `module` (full scores), whichever path it would choose: the
     reference the tests check the other paths against."""
-    q, k_t, v = grouped_layout(query, key, value)
-    mask = module.default_attention_mask(query, key, attention_mask, attn_mask_type)
-    context = module._unfused(q, k_t, v, mask, module._config(module.qk_site),
-                              module._config(module.pv_site), None, None, query, key)
-    return heads_layout(context, query)
+    return module._reference(query, key, value, attention_mask, attn_mask_type, None, None)
