@@ -25,6 +25,9 @@ setup(
         "tokenizers",
         "tensorboard",
         "matplotlib",
+        "pandas",
+        "scipy",
+        "PyYAML",
     ],
     extras_require={
         "test": ["pytest", "ml_dtypes"],
