@@ -12,6 +12,7 @@ import os
 
 from megatron.tensor_capture.config import MODES, CaptureConfig
 from megatron.tensor_capture.policy import GROUPS, parse_filter, parse_kinds, parse_layers
+from megatron.training.checkpoint_arguments import add_checkpoint_load_args
 from megatron.training.errors import ConfigError
 
 ENV_ENABLED = "TENSOR_SAVE_ENABLED"
@@ -73,7 +74,9 @@ def add_tensor_args(parser):
                        metavar="SECONDS",
                        help="Seconds to wait at the end of the run for the writer to finish "
                             "pending records before giving up on them (default 600).")
-    return parser
+    # ARGUMENT_GROUPS (arguments.py) has no entry for it yet: added with this group, which
+    # comes after the checkpointing group it joins.
+    return add_checkpoint_load_args(parser)
 
 
 def _env_flag(name: str) -> bool:

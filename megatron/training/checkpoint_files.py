@@ -3,21 +3,26 @@
 torch's distributed-checkpoint reader unpickles `.metadata` with plain `pickle`, which runs
 whatever a tampered file asks for. `verify_checkpoint` first reads that file with an
 unpickler that only builds the classes such metadata consists of, then checks that every file
-the checkpoint needs is there and as long as the metadata says. Each problem is one
-ConfigError line naming the file; `common.pt` is read elsewhere with weights_only=True.
+the checkpoint needs is there and as long as the metadata says, and reads `common.pt` with
+`weights_only=True` (megatron-core reads it with torch's default, which a
+TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD environment would turn into plain pickle). Each problem is
+one ConfigError line naming the file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import re
 
 import torch
 
 from megatron.training.errors import ConfigError
 
 METADATA_FILE = ".metadata"
-REQUIRED_FILES = ("metadata.json", "common.pt", METADATA_FILE)
+COMMON_FILE = "common.pt"
+REQUIRED_FILES = ("metadata.json", COMMON_FILE, METADATA_FILE)
 
 # What torch's distributed-checkpoint metadata is made of (torch 2.x): its dataclasses and
 # enums, torch.Size, dtypes and the layout helper. Nothing here executes anything on load.
@@ -71,6 +76,7 @@ def verify_checkpoint(ckpt_dir: str) -> None:
         path = os.path.join(ckpt_dir, name)
         if not os.path.isfile(path):
             raise ConfigError(f"{path} is missing: the checkpoint is incomplete or damaged")
+    _check_json(os.path.join(ckpt_dir, "metadata.json"))
     metadata = read_metadata(os.path.join(ckpt_dir, METADATA_FILE))
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
@@ -91,3 +97,31 @@ def verify_checkpoint(ckpt_dir: str) -> None:
         if actual < size:
             raise ConfigError(f"{path} has {actual} bytes, the metadata needs at least {size}: "
                               "the file is truncated")
+    _check_common_state(os.path.join(ckpt_dir, COMMON_FILE))
+
+
+def _check_common_state(path: str) -> None:
+    """`common.pt` must load as plain data (no code) and be complete."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # Not torch's message: it advises weights_only=False, which would run the file's code.
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"unpickle {found.group(1)}" if found else "load objects other than tensors " \
+            "and plain data"
+        raise ConfigError(f"{path}: refusing to {what}: a checkpoint's common state holds no "
+                          "such object; checkpoints from untrusted sources cannot be "
+                          "loaded") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else \
+            type(exc).__name__
+        raise ConfigError(f"{path}: unreadable ({reason}); the checkpoint is damaged") from None
+
+
+def _check_json(path: str) -> None:
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: unreadable ({type(exc).__name__}: {exc}); the checkpoint "
+                          "is damaged") from None

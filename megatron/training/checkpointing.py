@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -172,18 +173,62 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
-def checkpoint_to_load(root: str) -> Optional[Tuple[int, str]]:
-    """(iteration, directory) of the checkpoint --load will read, verified (complete, metadata
-    that is data and not code: checkpoint_files.py); None when `root` holds none yet."""
-    iteration = read_tracker(root)
-    if iteration is None:
-        return None
+def checkpoint_iterations(root: str) -> List[int]:
+    """Iterations of the complete checkpoint directories (`iter_XXXXXXX`) in `root`, sorted."""
+    found = []
+    for name in os.listdir(root):
+        match = re.fullmatch(r"iter_(\d{7,})", name)
+        if match and os.path.isdir(os.path.join(root, name)):
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def _verified(root: str, iteration: int) -> str:
     ckpt = checkpoint_dir(root, iteration)
     if not os.path.isdir(ckpt):
         raise ConfigError(f"--load {root}: {TRACKER_FILE} names iteration {iteration} but {ckpt} "
                           "does not exist; fix the tracker file or use another --load")
     verify_checkpoint(ckpt)
-    return iteration, ckpt
+    return ckpt
+
+
+def checkpoint_to_load(root: str, fallback: bool = False,
+                       log=print) -> Optional[Tuple[int, str]]:
+    """(iteration, directory) of the checkpoint --load will read, verified (complete, metadata
+    that is data and not code: checkpoint_files.py); None when `root` holds none yet.
+
+    With `fallback` (--load-fallback-to-previous), a chosen checkpoint that fails
+    verification is replaced by the newest intact earlier one, which `log` announces.
+    """
+    try:
+        iteration = read_tracker(root)
+        if iteration is None:
+            return None
+        return iteration, _verified(root, iteration)
+    except ConfigError as exc:
+        if not fallback:
+            raise
+        problem = exc
+    chosen = read_tracker_quietly(root)
+    for earlier in reversed(checkpoint_iterations(root)):
+        if chosen is not None and earlier >= chosen:
+            continue
+        try:
+            ckpt = _verified(root, earlier)
+        except ConfigError:
+            continue
+        log(f"warning: --load {root}: the chosen checkpoint is unusable ({problem}); loading "
+            f"the previous intact one, iteration {earlier} (--load-fallback-to-previous)")
+        return earlier, ckpt
+    raise ConfigError(f"{problem}; no intact earlier checkpoint in {root} to fall back to")
+
+
+def read_tracker_quietly(root: str) -> Optional[int]:
+    """The tracker's iteration, or None when it is missing or unreadable."""
+    try:
+        return read_tracker(root)
+    except ConfigError:
+        return None
 
 
 def load_checkpoint(root: str, found: Optional[Tuple[int, str]], model, optimizer, scheduler,

@@ -34,6 +34,7 @@ from megatron.training import checkpointing
 from megatron.training.arguments import format_args, parse_args, validate_args
 from megatron.training.capture_arguments import run_args
 from megatron.training.data import build_data_iterator, build_datasets
+from megatron.training.data_files import check_dataset_files
 from megatron.training.initialize import (
     destroy_distributed,
     initialize_distributed,
@@ -397,8 +398,10 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     print_rank_0(f"[{_timestamp()}] tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} "
                  f"(padded to {args.padded_vocab_size})")
 
-    # A damaged or unsafe checkpoint stops the run before anything is built.
-    to_load = checkpointing.checkpoint_to_load(args.load) if args.load else None
+    # Damaged data files or a damaged or unsafe checkpoint stop the run before anything is built.
+    check_dataset_files(args.data_prefixes)
+    to_load = checkpointing.checkpoint_to_load(
+        args.load, args.load_fallback_to_previous, log=print_rank_0) if args.load else None
     ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
     n_params = count_parameters(raw_model)
     print(f" > number of parameters on (tensor, pipeline) model parallel rank "
