@@ -9,10 +9,12 @@ Life cycle, driven by the training loop:
 - on_micro_batch_start: tell the observer which micro-batch is running forward.
 - on_iteration_end: unregister, log one line, report a capture failure as a stop reason
   starting with "error" (or keep training with --tensor-save-continue-on-error), and return
-  "control-iter" after the last captured iteration (after the writer has drained).
+  "control-iter" after the last iteration --control-iter names (after the writer has
+  drained), whether or not capture failed on the way.
 - on_train_end: drain the writer (bounded by --tensor-save-drain-timeout), write the rank's
-  summary file and log the summary line. A run that dies by an exception is finalised at
-  interpreter exit or when the next run in the same process starts.
+  summary file (its space was reserved at the start, so a full disk does not lose it) and
+  log the summary line. A run that dies by an exception is finalised at interpreter exit or
+  when the next run in the same process starts.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from megatron.tensor_capture.hooks import CaptureObserver, live_observers
 from megatron.tensor_capture.policy import CapturePolicy
 from megatron.tensor_capture.records import (
     HostBufferPool, Recorder, RunContext, SiteInfo, site_info)
-from megatron.tensor_capture.writer import CaptureWriter, atomic_write_text, describe_error
+from megatron.tensor_capture.diskio import ReservedFile, describe_error, free_bytes
+from megatron.tensor_capture.estimate import estimate_bytes, site_shapes
+from megatron.tensor_capture.progress import human_bytes
+from megatron.tensor_capture.writer import CaptureWriter
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 2 ** 20:.1f} MiB"
@@ -104,6 +109,7 @@ class TensorCaptureCallback:
         self.directory = config.directory
         self.policy: Optional[CapturePolicy] = None
         self.writer: Optional[CaptureWriter] = None
+        self.summary_file: Optional[ReservedFile] = None
         self.observer: Optional[CaptureObserver] = None
         self.recorder: Optional[Recorder] = None
         self.run_id: Optional[str] = None
@@ -149,6 +155,30 @@ class TensorCaptureCallback:
         self._log(f"capturing {which}, micro-batches 0..{micro - 1}, "
                   f"mode {config.mode} -> {self.directory} (run {self.run_id}); "
                   f"tensors: {self.policy.kinds.describe()}")
+        self._warn_if_disk_too_small(model_chunks, iteration)
+
+    def _warn_if_disk_too_small(self, model_chunks, iteration: int) -> None:
+        """One warning line when the estimated capture exceeds the free space. Ranks on one
+        node share its disk (LOCAL_WORLD_SIZE of them under torchrun); local rank 0 speaks."""
+        config = self.config
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return
+        iterations = self.policy.iteration_count(iteration, config.train_iters)
+
+        def plan(info, role, quantized):
+            return (config.mode, iterations) if self.policy.selects(info, role, quantized) \
+                else None
+
+        shapes = site_shapes(model_chunks, config.micro_batch_size, config.seq_length)
+        micro = min(config.micro_batches, config.num_micro_batches)
+        need = estimate_bytes(shapes, plan, micro, config.element_bytes) * \
+            int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        free = free_bytes(self.directory)
+        if free is not None and need > free:
+            print(f"warning: tensor capture: the capture needs about {human_bytes(need)} but "
+                  f"{self.directory} has {human_bytes(free)} free; it will stop with 'no space "
+                  "left on device' (capture fewer iterations, layers or tensors, or use "
+                  "--tensor-save-mode stats)", file=sys.stderr, flush=True)
 
     def _run_payload(self, run_id: str) -> bytes:
         config = self.config
@@ -172,7 +202,7 @@ class TensorCaptureCallback:
                                              self._run_payload)
                 result = [run_id, None]
             except OSError as exc:
-                result = [base, describe_error(exc, self.directory)]
+                result = [base, describe_error(exc, directory=self.directory)]
         if self.ranks["world_size"] > 1 and _dist_ready():
             torch.distributed.broadcast_object_list(result, src=0)
         return result[0], result[1]
@@ -181,11 +211,13 @@ class TensorCaptureCallback:
         try:
             os.makedirs(self.directory, exist_ok=True)
             manifest = capture_format.manifest_file(self.directory, self.run_id, self.ranks["rank"])
+            self.summary_file = ReservedFile(capture_format.summary_file(
+                self.directory, self.run_id, self.ranks["rank"]))
             self.writer = CaptureWriter(
-                self.directory, manifest, full=self.full,
-                max_records=self.config.queue_records, max_bytes=self.config.queue_bytes)
+                self.directory, manifest, max_records=self.config.queue_records,
+                max_bytes=self.config.queue_bytes)
         except OSError as exc:
-            return describe_error(exc, self.directory)
+            return describe_error(exc, directory=self.directory)
         return None
 
     def _first_error_on_any_rank(self, error: Optional[str]):
@@ -232,7 +264,7 @@ class TensorCaptureCallback:
             self.error_reported = True
             if not self.continue_on_error:
                 return f"error: tensor capture: {self.error}"
-        if self.error is None and last is not None and iteration >= last:
+        if last is not None and iteration >= last:
             return "control-iter"
         return None
 
@@ -271,8 +303,11 @@ class TensorCaptureCallback:
             return
         then = "continuing training without capture" if self.continue_on_error else \
             "stopping the run (pass --tensor-save-continue-on-error to keep training)"
-        print(f"error: tensor capture (rank {self.ranks['rank']}): {message}; capture "
-              f"stopped, {then}", file=sys.stderr, flush=True)
+        print(f"error: tensor capture{self._rank_label()}: {message}; capture stopped, {then}",
+              file=sys.stderr, flush=True)
+
+    def _rank_label(self) -> str:
+        return f" (rank {self.ranks['rank']})" if self.ranks["world_size"] > 1 else ""
 
     # -- end -------------------------------------------------------------------------------
 
@@ -287,6 +322,8 @@ class TensorCaptureCallback:
         self.finished = True
         self._unregister()
         if self.writer is None:
+            if self.summary_file is not None:
+                self.summary_file.discard()
             if self.error is not None:
                 self._log(f"summary: no records (capture failed: {self.error})", force=True)
             return
@@ -297,17 +334,28 @@ class TensorCaptureCallback:
         summary.update(error=self.error, end_time=_now(), run_id=self.run_id,
                        rank=self.ranks["rank"], exit_reason=self.exit_reason,
                        capture_seconds=round(self.observer.seconds, 6) if self.observer else 0.0)
-        path = capture_format.summary_file(self.directory, self.run_id, self.ranks["rank"])
-        try:
-            atomic_write_text(path, capture_format.json_text(summary))
-        except OSError as exc:
-            print(f"warning: tensor capture: summary not written ({describe_error(exc, path)})",
-                  file=sys.stderr, flush=True)
+        self._write_summary(summary)
         status = f"capture failed: {self.error}" if self.error else "complete"
         self._log(f"summary: {summary['records']} records, {summary['files']} files, "
                   f"{_mb(summary['bytes'])}, writing {summary['write_seconds']:.2f} s, stall "
                   f"{summary['stall_seconds']:.2f} s, {summary['dropped']} dropped ({status}) "
                   f"-> {self.directory} (run {self.run_id})", force=self.error is not None)
+
+    def _write_summary(self, summary: dict) -> None:
+        path = self.summary_file.path
+        try:
+            self.summary_file.write(capture_format.json_text(summary))
+        except OSError as exc:
+            self.summary_file.discard()
+            message = describe_error(exc, path)
+            if self.error is None:
+                # The one line of a capture failure (records were complete, the summary not).
+                self.error = message
+                print(f"error: tensor capture{self._rank_label()}: {message}; the run summary "
+                      f"{path} was not written", file=sys.stderr, flush=True)
+            elif message != self.error:       # the same full disk is not said twice
+                print(f"warning: tensor capture: summary not written ({message})",
+                      file=sys.stderr, flush=True)
 
     def _log(self, message: str, force: bool = False) -> None:
         if self.ranks["rank"] == 0 or force:

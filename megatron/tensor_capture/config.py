@@ -33,6 +33,10 @@ class CaptureConfig:
     drain_timeout: float = 600.0
     train_iters: int = 0                      # the run's last iteration: drain before it ends
     num_micro_batches: int = 1                # micro-batches per iteration on this rank
+    # The run's shapes, for the estimate of the capture's size before it starts.
+    micro_batch_size: int = 1
+    seq_length: int = 0
+    element_bytes: int = 4                    # bytes per element of the training dtype
 
     def __post_init__(self):
         if self.mode not in MODES:

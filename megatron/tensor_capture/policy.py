@@ -155,6 +155,11 @@ class CapturePolicy:
     def last_iteration(self) -> Optional[int]:
         return None if self.control_iter == 0 else self.start_iteration + self.control_iter
 
+    def iteration_count(self, start: int, end: int) -> int:
+        """How many of the iterations start+1..end are captured."""
+        stop = end if self.control_iter == 0 else min(end, self.last_iteration)
+        return max(0, stop - start)
+
     def captures_micro_batch(self, micro_batch: int) -> bool:
         return micro_batch < self.micro_batches
 
@@ -166,3 +171,9 @@ class CapturePolicy:
 
     def captures_role(self, component: str, role: Role, quantized: bool) -> bool:
         return self.kinds.wants(component, role, quantized)
+
+    def selects(self, info, role: Role, quantized: bool) -> bool:
+        """Whether a record of site `info` (a records.SiteInfo) in `role` is captured."""
+        return (self.captures_layer(info.layer) and
+                self.captures_role(info.component, role, quantized) and
+                self.captures_name(info.record_name(role)))

@@ -4,10 +4,12 @@ Guarantees (docs/capture-format.md):
 - the training step only waits when the queue is full (back-pressure, counted as stall time);
 - each record file is written under a temporary name and renamed into place, so a file with
   the final name is always complete;
-- a manifest line is appended (and flushed) only after its file has been renamed, so the
-  manifest lists only complete files; a killed run leaves at most a truncated last line;
+- a manifest line is appended only after its file has been renamed, in one `write` that is
+  cut back off if it fails (diskio.append_line), so the manifest lists only complete files
+  and never ends in a partial line, not even on a full disk;
 - the first failure (full disk, unwritable directory, ...) is kept as `error`: the writer
-  removes the partial file, drops everything still queued and accepts nothing more.
+  removes the partial file, drops everything still queued and accepts nothing more. A full
+  disk reads "no space left on device (<dir>)" however it surfaced.
 
 The thread runs at a lower priority than the training step (see `_run_in_background`).
 """
@@ -25,47 +27,20 @@ from typing import Optional
 
 import torch
 
+from megatron.tensor_capture.diskio import (
+    append_line, describe_error, hidden_temporary, is_no_space, open_for_append,
+    remove_quietly)
 from megatron.tensor_capture.format import json_line
 from megatron.tensor_capture.records import CaptureItem
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write a small text file under a temporary name and rename it into place."""
-    tmp = f"{os.path.join(os.path.dirname(path), '.' + os.path.basename(path))}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
-def describe_error(exc: BaseException, path: Optional[str] = None) -> str:
-    """One line: what failed, where, and why."""
-    if isinstance(exc, OSError):
-        where = exc.filename or path
-        reason = exc.strerror or str(exc)
-        return f"cannot write {where}: {reason} (errno {exc.errno})" if where else \
-            f"write failed: {reason} (errno {exc.errno})"
-    return f"{type(exc).__name__}: {exc}" + (f" while writing {path}" if path else "")
 
 
 class CaptureWriter:
     """Writes CaptureItems to `directory` and their manifest lines to `manifest_path`."""
 
-    def __init__(self, directory: str, manifest_path: str, full: bool = True,
-                 max_records: int = 256, max_bytes: int = 1 << 30):
+    def __init__(self, directory: str, manifest_path: str, max_records: int = 256,
+                 max_bytes: int = 1 << 30):
         self.directory = directory
         self.manifest_path = manifest_path
-        self.full = full
         self.max_records = max(1, int(max_records))
         self.max_bytes = max(1, int(max_bytes))
         self.error: Optional[str] = None
@@ -81,7 +56,7 @@ class CaptureWriter:
         self._busy = False
         self._closed = False
         self._cond = threading.Condition()
-        self._manifest = open(manifest_path, "a", encoding="utf-8")
+        self._manifest = open_for_append(manifest_path)
         self._thread = threading.Thread(target=self._run, name="tensor-capture-writer",
                                         daemon=True)
         self._thread.start()
@@ -144,8 +119,9 @@ class CaptureWriter:
             self._cond.notify_all()
         if drained:
             self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self._manifest.close()
+        if not self._thread.is_alive() and self._manifest is not None:
+            os.close(self._manifest)
+            self._manifest = None
         _LIVE_WRITERS.discard(self)
         return drained
 
@@ -171,7 +147,8 @@ class CaptureWriter:
             except BaseException as exc:  # noqa: BLE001 - any failure stops capture cleanly
                 with self._cond:
                     self.error = self.error or describe_error(
-                        exc, os.path.join(self.directory, item.file_name or ""))
+                        exc, os.path.join(self.directory, item.file_name or ""),
+                        self.directory, getattr(exc, "no_space", None))
                     self.dropped += 1 + len(self._queue)
                     self._queue.clear()
             finally:
@@ -186,33 +163,38 @@ class CaptureWriter:
     def _write(self, item: CaptureItem) -> None:
         item.finish_stats()
         item.metadata["save_time"] = datetime.now().astimezone().isoformat(timespec="milliseconds")
-        file_name, nbytes, path = None, 0, None
-        if self.full:
-            file_name = item.file_name
+        file_name, nbytes, path = item.file_name, 0, None
+        if file_name is not None:          # full mode: a record file; stats mode: none
             path = os.path.join(self.directory, file_name)
-            tmp = os.path.join(self.directory, f".{file_name}.tmp")
-            try:
-                with open(tmp, "wb") as f:
-                    torch.save(item.record(), f)
-                    nbytes = f.tell()
-                os.replace(tmp, path)
-            except BaseException:
-                _remove_quietly(tmp)
-                raise
-        line = json_line(item.manifest_entry(file_name, nbytes))
+            nbytes = self._write_record(item, path)
+        line = json_line(item.manifest_entry(file_name, nbytes)).encode("utf-8")
         try:
-            self._manifest.write(line)
-            self._manifest.flush()
+            append_line(self._manifest, line)
         except BaseException:
             # Not listed, so not kept: the manifest is the index of complete records.
             if path is not None:
-                _remove_quietly(path)
+                remove_quietly(path)
             raise
         if path is not None:
             self.files += 1
             self.bytes += nbytes
         self.records += 1
         item.release()
+
+    def _write_record(self, item: CaptureItem, path: str) -> int:
+        """Write the record file under a temporary name, rename it; its size in bytes."""
+        tmp = hidden_temporary(path)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(item.record(), f)
+                nbytes = f.tell()
+            os.replace(tmp, path)
+            return nbytes
+        except BaseException as exc:
+            # Judged while the partial file still fills the disk (see diskio.is_no_space).
+            exc.no_space = is_no_space(exc, self.directory, item.nbytes)
+            remove_quietly(tmp)
+            raise
 
     def summary(self) -> dict:
         return {"records": self.records, "files": self.files, "bytes": self.bytes,

@@ -129,7 +129,8 @@ def validate_tensor_args(args) -> None:
         queue_records=args.tensor_save_queue_size,
         queue_bytes=int(args.tensor_save_queue_mb * 2 ** 20),
         drain_timeout=args.tensor_save_drain_timeout, train_iters=args.train_iters,
-        num_micro_batches=args.num_micro_batches)
+        num_micro_batches=args.num_micro_batches, micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length, element_bytes=2 if (args.bf16 or args.fp16) else 4)
 
 
 # The flags recorded in each capture's run-{run_id}.json (provenance for the analysis).
