@@ -22,6 +22,8 @@ Megatron data path)::
     {root}/{name}/{name}.jsonl                      one {"text", "source", "title"} per line
     {root}/{name}/{name}_text_document.bin/.idx     Llama 3 tokens, eod after every document
     {root}/{name}/sources.json                      sources, licenses, counts, tokenizer, hashes
+    {root}/{name}-bpe{V}/tokenizer.json             optional: a V-entry byte-level BPE trained on
+    {root}/{name}-bpe{V}/{name}_text_document.*     {name}.jsonl, and the same documents in it
 
 Builds happen in a temporary directory that is renamed into place at the end, under a file lock,
 so a killed build never looks complete and concurrent ranks build only once. The same inputs
@@ -55,7 +57,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron.training.preprocess_data import preprocess
-from megatron.training.tokenizer import Llama3Tokenizer, file_sha256
+from megatron.training.tokenizer import HuggingFaceTokenizer, Llama3Tokenizer, file_sha256
 
 EMBEDDED_DATASETS = ("wikipedia", "dolma")
 
@@ -440,6 +442,34 @@ def dataset_is_built(name: str, data_root: Optional[os.PathLike] = None) -> bool
                                            str(dataset_dir(name, data_root) / "sources.json")))
 
 
+
+# Small-vocabulary variants: {root}/{name}-bpe{V}/ holds tokenizer.json (a byte-level BPE of V
+# entries trained on the dataset's own text, see bpe_tokenizer.py) and the same documents
+# tokenized with it, for CPU studies where the Llama 3 LM head would dominate the step.
+
+def bpe_dataset_dir(name: str, vocab_size: int, data_root: Optional[os.PathLike] = None) -> Path:
+    _check_name(name)
+    return _root(data_root) / f"{name}-bpe{vocab_size}"
+
+
+def bpe_data_prefix(name: str, vocab_size: int, data_root: Optional[os.PathLike] = None) -> str:
+    """The --data-path prefix of the BPE variant: {root}/{name}-bpe{V}/{name}_text_document."""
+    return str(bpe_dataset_dir(name, vocab_size, data_root) / f"{name}_text_document")
+
+
+def bpe_tokenizer_path(name: str, vocab_size: int,
+                       data_root: Optional[os.PathLike] = None) -> str:
+    """Its --tokenizer-model (with --tokenizer-type HuggingFaceTokenizer)."""
+    return str(bpe_dataset_dir(name, vocab_size, data_root) / "tokenizer.json")
+
+
+def bpe_dataset_is_built(name: str, vocab_size: int,
+                         data_root: Optional[os.PathLike] = None) -> bool:
+    prefix = bpe_data_prefix(name, vocab_size, data_root)
+    return all(os.path.isfile(p) for p in (
+        prefix + ".bin", prefix + ".idx", bpe_tokenizer_path(name, vocab_size, data_root),
+        str(bpe_dataset_dir(name, vocab_size, data_root) / "sources.json")))
+
 # ---------------------------------------------------------------------------------------------
 # Building
 # ---------------------------------------------------------------------------------------------
@@ -554,19 +584,17 @@ def _build_lock(root: Path, name: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_locked(name: str, root: Path, workers: int, mail_dir, log) -> str:
-    final = root / name
-    # Holding the lock, any other build directory was left by a killed build.
-    for stale in [*root.glob(f".{name}.building-*"), *root.glob(f".{name}.old-*")]:
+def _replace_atomically(root: Path, dirname: str, build: Callable[[Path], Dict]) -> Dict:
+    """Run `build(tmp_dir)` and rename tmp_dir to {root}/{dirname} (the caller holds the lock).
+
+    A killed build leaves only a hidden .{dirname}.building-* directory, removed next time."""
+    final = root / dirname
+    for stale in [*root.glob(f".{dirname}.building-*"), *root.glob(f".{dirname}.old-*")]:
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".{name}.building-{os.getpid()}"
-    start = time.perf_counter()
-    log(f"[corpus] building {name!r} in {final}")
+    tmp = root / f".{dirname}.building-{os.getpid()}"
     try:
-        meta = build_into(tmp, name, DATASET_SOURCES[name], workers=workers,
-                          mail_dir=mail_dir if mail_dir is not None else default_mail_dir(root),
-                          log=log, description=DATASET_DESCRIPTIONS[name])
-        old = root / f".{name}.old-{os.getpid()}"
+        meta = build(tmp)
+        old = root / f".{dirname}.old-{os.getpid()}"
         if final.exists():
             final.rename(old)
         tmp.rename(final)
@@ -574,10 +602,24 @@ def _build_locked(name: str, root: Path, workers: int, mail_dir, log) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    bin_mb = os.path.getsize(embedded_data_prefix(name, root) + ".bin") / 1e6
-    log(f"[corpus] built {name!r}: {meta['documents']} documents, {meta['tokens']} tokens, "
-        f"{meta['characters'] / 1e6:.1f} M chars, .bin {bin_mb:.1f} MB in "
-        f"{time.perf_counter() - start:.1f} s -> {embedded_data_prefix(name, root)}")
+    return meta
+
+
+def _log_built(label: str, meta: Dict, prefix: str, seconds: float, log) -> None:
+    bin_mb = os.path.getsize(prefix + ".bin") / 1e6
+    log(f"[corpus] built {label!r}: {meta['documents']} documents, {meta['tokens']} tokens, "
+        f"{meta['characters'] / 1e6:.1f} M chars, .bin {bin_mb:.1f} MB in {seconds:.1f} s "
+        f"-> {prefix}")
+
+
+def _build_locked(name: str, root: Path, workers: int, mail_dir, log) -> str:
+    start = time.perf_counter()
+    log(f"[corpus] building {name!r} in {root / name}")
+    meta = _replace_atomically(root, name, lambda tmp: build_into(
+        tmp, name, DATASET_SOURCES[name], workers=workers,
+        mail_dir=mail_dir if mail_dir is not None else default_mail_dir(root),
+        log=log, description=DATASET_DESCRIPTIONS[name]))
+    _log_built(name, meta, embedded_data_prefix(name, root), time.perf_counter() - start, log)
     return embedded_data_prefix(name, root)
 
 
@@ -602,3 +644,77 @@ def ensure_embedded_dataset(name: str, data_root: Optional[os.PathLike] = None, 
         if dataset_is_built(name, root):  # another process built it while we waited
             return embedded_data_prefix(name, root)
         return _build_locked(name, root, workers, None, log)
+
+
+def _build_bpe_into(out_dir: Path, name: str, vocab_size: int, base_dir: Path, workers: int,
+                    log) -> Dict:
+    """Train the BPE on the base dataset's jsonl and tokenize the same documents with it."""
+    from megatron.training import bpe_tokenizer
+
+    start = time.perf_counter()
+    jsonl = base_dir / f"{name}.jsonl"
+    log(f"[corpus]   training a {vocab_size}-entry byte-level BPE on {jsonl}")
+    tokenizer = bpe_tokenizer.train_bpe(bpe_tokenizer.read_jsonl_texts(jsonl), vocab_size)
+    tokenizer_json = bpe_tokenizer.save_tokenizer(tokenizer, out_dir / "tokenizer.json")
+    log(f"[corpus]   tokenizer trained in {time.perf_counter() - start:.1f} s")
+    tokenizer_args = {"tokenizer_type": "HuggingFaceTokenizer",
+                      "tokenizer_model": str(tokenizer_json), "vocab_size": None}
+    hf = HuggingFaceTokenizer(tokenizer_json)
+    result = preprocess(str(jsonl), str(out_dir / name), tokenizer_args, json_keys=["text"],
+                        append_eod=True, workers=workers, log=log,
+                        log_interval=_progress_interval(base_dir))
+    prefix = result.outputs["text"]
+    meta = json.loads((base_dir / "sources.json").read_text(encoding="utf-8"))
+    meta.update({
+        "dataset": f"{name}-bpe{vocab_size}",
+        "derived_from": f"{name} (same documents, same order: {base_dir / (name + '.jsonl')})",
+        "data_prefix": os.path.basename(prefix),
+        "documents": result.written["text"],
+        "tokens": result.tokens,
+        "tokenizer": {"type": hf.name, "model": "tokenizer.json (byte-level BPE trained on "
+                      f"{name}.jsonl, min pair frequency {bpe_tokenizer.MIN_PAIR_FREQUENCY})",
+                      "sha256": hf.sha256, "vocab_size": hf.vocab_size, "eod": hf.eod,
+                      "append_eod": True},
+        "files_sha256": {os.path.basename(prefix + ext): file_sha256(prefix + ext)
+                         for ext in (".bin", ".idx")},
+        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": round(time.perf_counter() - start, 2),
+    })
+    meta.pop("llama3_license_notice", None)
+    (out_dir / "sources.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n",
+                                          encoding="utf-8")
+    return meta
+
+
+def _progress_interval(base_dir: Path) -> int:
+    """A log interval of about five progress lines for the base dataset's documents."""
+    try:
+        meta = json.loads((base_dir / "sources.json").read_text(encoding="utf-8"))
+        return max(1000, int(meta["documents"]) // 5)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1000
+
+
+def ensure_bpe_dataset(name: str, vocab_size: int, data_root: Optional[os.PathLike] = None,
+                       workers: int = 1, log: Callable[[str], None] = print,
+                       force: bool = False) -> Tuple[str, str]:
+    """(--data-path prefix, --tokenizer-model) of the dataset's BPE variant, building the
+    dataset and then the variant first where they are not built (or always with `force`)."""
+    from megatron.training.bpe_tokenizer import check_vocab_size
+
+    check_vocab_size(vocab_size)
+    root = _root(data_root)
+    ensure_embedded_dataset(name, root, workers=workers, log=log)
+    label = f"{name}-bpe{vocab_size}"
+    outputs = (bpe_data_prefix(name, vocab_size, root), bpe_tokenizer_path(name, vocab_size, root))
+    if bpe_dataset_is_built(name, vocab_size, root) and not force:
+        return outputs
+    with _build_lock(root, label):
+        if bpe_dataset_is_built(name, vocab_size, root) and not force:
+            return outputs
+        start = time.perf_counter()
+        log(f"[corpus] building {label!r} in {root / label}")
+        meta = _replace_atomically(root, label, lambda tmp: _build_bpe_into(
+            tmp, name, vocab_size, dataset_dir(name, root), workers, log))
+        _log_built(label, meta, outputs[0], time.perf_counter() - start, log)
+    return outputs
