@@ -33,6 +33,7 @@ if _HERE not in sys.path:  # runnable as `python train_config.py` from anywhere
 
 from megatron.training import corpora  # noqa: E402
 from megatron.training import experiments as ex  # noqa: E402
+from megatron.training.budget import describe_budget_of_command  # noqa: E402
 
 PROG_TAG = "[train_config]"
 # The commands run the pretrain_gpt.py beside this script.
@@ -339,6 +340,9 @@ def main(argv: Optional[Sequence[str]] = None, fa: bool = False) -> int:
     if args.dry_run or args.check or args.print_schemes:
         for cmd in cmds:
             print(cmd.experiment.quant_scheme if args.print_schemes else cmd.shell(), flush=True)
+        if not args.print_schemes:
+            for line in describe_budget_of_command(cmds[0].pretrain_args):
+                print(f"{PROG_TAG} {line}", file=sys.stderr, flush=True)
         for problem in problems:
             if args.check:
                 print(f"{parser.prog}: error: {problem}", file=sys.stderr)

@@ -32,9 +32,11 @@ from megatron.quantization.formats import set_compile
 from megatron.tensor_capture.callback import TensorCaptureCallback
 from megatron.training import checkpointing
 from megatron.training.arguments import format_args, parse_args, validate_args
+from megatron.training.budget import describe_budget
 from megatron.training.capture_arguments import run_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.data_files import check_dataset_files
+from megatron.training.precision import describe_precision
 from megatron.training.initialize import (
     destroy_distributed,
     initialize_distributed,
@@ -395,11 +397,14 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
                      "wherever nothing in attention is quantized")
     print_rank_0(f"{args.quant_config.describe(args.num_layers)}\n"
                  f"(scheme from {args.quant_scheme_source})")
+    print_rank_0(describe_precision(args))
     print_rank_0(f"[{_timestamp()}] tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} "
                  f"(padded to {args.padded_vocab_size})")
 
     # Damaged data files or a damaged or unsafe checkpoint stop the run before anything is built.
     check_dataset_files(args.data_prefixes)
+    for line in describe_budget(args):
+        print_rank_0(line)
     to_load = checkpointing.checkpoint_to_load(
         args.load, args.load_fallback_to_previous, log=print_rank_0) if args.load else None
     ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
@@ -438,7 +443,17 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
                  f"({args.num_micro_batches} micro-batches of {args.micro_batch_size} per "
                  f"data-parallel rank, DP={dp_size})")
     exit_reason = "train-iters"
-    saved_at = None
+    saved_at = validated_at = None
+
+    def validate(at: int) -> None:
+        nonlocal validated_at
+        sync_params(ddp_model, args)
+        val = evaluate(forward_step_func, valid_iter, ddp_model, args)
+        if val is not None:
+            result.val_losses[at] = val
+        logger.log_validation(at, val)
+        validated_at = at
+
     try:
         while iteration < args.train_iters:
             for cb in callbacks:
@@ -457,11 +472,7 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
                                  skipped, consumed_samples)
 
             if args.eval_interval and iteration % args.eval_interval == 0 and valid_iter:
-                sync_params(ddp_model, args)
-                val = evaluate(forward_step_func, valid_iter, ddp_model, args)
-                if val is not None:
-                    result.val_losses[iteration] = val
-                logger.log_validation(iteration, val)
+                validate(iteration)
 
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 sync_params(ddp_model, args)
@@ -473,6 +484,9 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
             if reason is not None:
                 exit_reason = stop[0] if reason == "callback" and stop else reason
                 break
+        if exit_reason == "train-iters" and valid_iter and validated_at != iteration:
+            # As Megatron-LM: the end of training is always validated, whatever --eval-interval.
+            validate(iteration)
     finally:
         signals.restore()
         logger.close()
