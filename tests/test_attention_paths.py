@@ -25,13 +25,15 @@ def _inputs(sq, b, heads, groups, dim, dtype, seed=0):
     return [t.to(dtype) for t in (q, k, v)]
 
 
-def _module(args, qk="none", pv="none", chunk_rows=None, dropout=0.0):
+def _module(args, qk="none", pv="none", chunk_rows=None, dropout=0.0, hifp8_scaling="none"):
     cfg = core_transformer_config_from_args(args)
     cfg.attention_dropout = dropout
     module = QuantDotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                       attention_type="self")
-    module.qk_site = GemmSite("attn.qk", "attn_qk", 1, site_config(qk, "e4m3", True, "floor"))
-    module.pv_site = GemmSite("attn.pv", "attn_pv", 1, site_config(pv, "e4m3", True, "floor"))
+    module.qk_site = GemmSite("attn.qk", "attn_qk", 1,
+                              site_config(qk, "e4m3", True, "floor", hifp8_scaling))
+    module.pv_site = GemmSite("attn.pv", "attn_pv", 1,
+                              site_config(pv, "e4m3", True, "floor", hifp8_scaling))
     module.chunk_rows = chunk_rows
     return module
 
@@ -64,6 +66,31 @@ def test_chunked_equals_unfused_fp32(world_size_one, qk, pv, heads, groups):
     mask = causal_mask(72, 72, torch.device("cpu"))
     _compare(module, inputs, mask, rtol=1e-4, atol=1e-5)
     _compare(module, inputs, None, rtol=1e-4, atol=1e-5)   # causal mask made per chunk
+
+
+def _spread_inputs(dtype):
+    """q rows and the output gradient grow by 2**5 from the first chunk to the last, so the
+    chunks' own amaxes fall in different binades than the whole tensors' (and P's first row
+    is exactly 1 under the causal mask, while later chunks peak below 1)."""
+    q, k, v = _inputs(72, 2, 4, 2, 32, torch.float32)
+    ramp = 2.0 ** torch.linspace(-3, 2, 72)
+    return [t.to(dtype) for t in (q * ramp[:, None, None, None], k, v)]
+
+
+@pytest.mark.parametrize("qk,pv", [("hifp8", "hifp8"), ("hifp8", "none"), ("none", "hifp8")])
+def test_chunked_equals_unfused_with_hifp8_tensor_scaling(world_size_one, qk, pv):
+    """Tensor-scaled operands cut into chunks (Q, P, dS, dO) use the whole operand's scale."""
+    module = _module(world_size_one, qk, pv, chunk_rows=64, hifp8_scaling="tensor")
+    inputs = _spread_inputs(torch.float32)
+    _compare(module, inputs, None, rtol=1e-4, atol=1e-5)
+
+
+def test_hifp8_tensor_scaling_per_chunk_would_differ(world_size_one, monkeypatch):
+    """The check above can fail: scaling each chunk by its own amax changes the result."""
+    module = _module(world_size_one, "hifp8", "hifp8", chunk_rows=64, hifp8_scaling="tensor")
+    monkeypatch.setattr(attention_module, "_needs_whole_scale", lambda config, keys: False)
+    with pytest.raises(AssertionError):
+        _compare(module, _spread_inputs(torch.float32), None, rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_equals_unfused_bf16(world_size_one):

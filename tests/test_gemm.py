@@ -39,6 +39,8 @@ CONFIGS = {
     "full_mxfp4": FULL_MX4,
     "full_mxfp8_rceil": MatmulQuantConfig(MX8, MX8, MX8, scale_mode="rceil"),
     "full_hifp8": MatmulQuantConfig(*(OperandFormats("hifp8", "hifp8"),) * 3),
+    "full_hifp8_tensor_scaled": MatmulQuantConfig(*(OperandFormats("hifp8", "hifp8"),) * 3,
+                                                  hifp8_scaling="tensor"),
     "mixed": MIXED,
 }
 
@@ -48,8 +50,13 @@ def q_explicit(t, fmt, axis, config):
     if fmt == "none":
         return t
     moved = t.movedim(axis, -1).contiguous()
-    q = fake_quantize(moved, fmt, axis=-1, scale_mode=config.scale_mode,
-                      saturate=True if fmt == "hifp8" else None)
+    if fmt == "hifp8" and config.hifp8_scaling == "tensor":
+        # one scale for the whole operand: 2**-k * HiF8(2**k * t), amax * 2**k in [8, 16)
+        k = 3 - int(torch.floor(torch.log2(moved.abs().max().double())))
+        q = fake_quantize(moved * 2.0 ** k, "hifp8", saturate=True) * 2.0 ** -k
+    else:
+        q = fake_quantize(moved, fmt, axis=-1, scale_mode=config.scale_mode,
+                          saturate=True if fmt == "hifp8" else None)
     return q.movedim(-1, axis)
 
 
@@ -275,7 +282,7 @@ def test_matmul_observer_contract():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["full_mxfp4", "mixed", "dgrad_only", "wgrad_only",
-                                  "full_hifp8"])
+                                  "full_hifp8", "full_hifp8_tensor_scaled"])
 @pytest.mark.parametrize("batch", [(), (3,), (2, 2)])
 def test_matmul_matches_explicit_transpose_reference(name, batch):
     config = CONFIGS[name]
@@ -325,3 +332,18 @@ def test_config_validation_and_canonical_names():
     assert config.saturate_for("hifp8") is True and config.saturate_for("mxfp8_e4m3") is None
     with pytest.raises(AttributeError):
         config.scale_mode = "rceil"
+
+
+def test_hifp8_tensor_scaling_changes_the_result():
+    """The scaled-HiFP8 check above can fail: unscaled HiF8 of small values differs."""
+    scaled = CONFIGS["full_hifp8_tensor_scaled"]
+    x, w, b, dy = data((40, 70), 48, seed=1)
+    x, w, dy = x * 2.0 ** -12, w * 2.0 ** -10, dy * 2.0 ** -14   # deep in HiF8's 1-bit region
+    y, dx, dw, _ = run_linear(x, w, b, dy, scaled)
+    ry, rdx, rdw, _ = linear_reference(x, w, b, dy, scaled)
+    close(y, ry, "y")
+    close(dw, rdw, "dw")
+    unscaled = CONFIGS["full_hifp8"]
+    uy, _, udw, _ = run_linear(x, w, b, dy, unscaled)
+    with pytest.raises(AssertionError):
+        close(udw, rdw, "dw")

@@ -13,6 +13,7 @@ from megatron.quantization.formats import (
     fake_quantize,
     fake_quantize_compiled,
     format_info,
+    hifp8_scale_exponent,
     hifp8_scaled_fake_quantize,
     mx_shared_exponents,
     set_compile,
@@ -27,6 +28,6 @@ from megatron.quantization.gemm import (
 __all__ = [
     "FORMAT_NAMES", "HIFP8_MAX", "HIFP8_OVERFLOW", "MX_BLOCK_SIZE", "NAN_EXPONENT", "SCALE_MODES",
     "FormatInfo", "canonical_format", "compile_enabled", "fake_quantize", "fake_quantize_compiled",
-    "format_info", "hifp8_scaled_fake_quantize", "mx_shared_exponents", "set_compile",
+    "format_info", "hifp8_scale_exponent", "hifp8_scaled_fake_quantize", "mx_shared_exponents", "set_compile",
     "MatmulQuantConfig", "OperandFormats", "quantized_linear", "quantized_matmul",
 ]

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron.quantization.formats import hifp8_scale_exponent
 from megatron.quantization.gemm import MatmulQuantConfig, matmul_grads, quantized_matmul
 from megatron.quantization.local_attention import LocalDotProductAttention
 from megatron.quantization.observers import GemmSite, observer_for
@@ -86,31 +87,72 @@ def _accumulate(total, part):
     return part if total is None else total.add_(part)
 
 
+# Operands the chunked path cuts into row chunks: (gemm, operand) of the QK^T and PV GEMMs.
+# A tensor-scaled operand among them must use the scale of the whole operand.
+_QUERY_SIDE = (("fprop", "a"), ("wgrad", "a"))                 # Q (QK^T), P (PV)
+_GRAD_SIDE = (("dgrad", "grad_output"), ("wgrad", "grad_output"))   # dS (QK^T), dO (PV)
+
+
+def _needs_whole_scale(config: MatmulQuantConfig, keys) -> bool:
+    formats = {("fprop", "a"): config.fprop.a, ("wgrad", "a"): config.wgrad.a,
+               ("dgrad", "grad_output"): config.dgrad.a,
+               ("wgrad", "grad_output"): config.wgrad.b}
+    return any(config.tensor_scaled(formats[key]) for key in keys)
+
+
+def _whole_scale(pieces) -> torch.Tensor:
+    """The per-tensor scale exponent of a tensor seen in pieces: amax of the piece amaxes."""
+    return hifp8_scale_exponent(torch.stack([p.detach().abs().amax().float() for p in pieces]))
+
+
 class _ChunkedAttention(torch.autograd.Function):
-    """out[:, rows] = probs_fn(q[:, rows], k_t, rows) @ v chunk by chunk (the PV GEMM per
-    pv_config). Only q, k_t and v are kept: backward recomputes each chunk's probabilities
-    under autograd and runs the PV GEMM's own backward on them, the very operations the
-    unfused path's autograd runs."""
+    """out[:, rows] = softmax_fn(scores_fn(q[:, rows], k_t), rows) @ v chunk by chunk (QK^T
+    and PV per their configs). Only q, k_t and v are kept: backward recomputes each chunk's
+    probabilities under autograd and runs the PV GEMM's own backward on them, the very
+    operations the unfused path's autograd runs.
+
+    Tensor-scaled HiFP8 operands (--hifp8-scaling tensor) cut into chunks take the scale of
+    the whole operand, as in the unfused path: Q and dO directly; P and dS, which exist only
+    chunk by chunk, from a first pass over the chunks that only measures their amax."""
 
     @staticmethod
-    def forward(ctx, q, k_t, v, probs_fn, pv_config, bounds):
+    def forward(ctx, q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds):
         ctx.save_for_backward(q, k_t, v)
-        ctx.probs_fn, ctx.pv_config, ctx.bounds = probs_fn, pv_config, bounds
-        return torch.cat([quantized_matmul(probs_fn(q[:, r0:r1], k_t, r0, r1), v, pv_config)
+        ctx.fns, ctx.cfgs, ctx.bounds = (scores_fn, softmax_fn), (qk_cfg, pv_cfg), bounds
+        qk_scales, pv_scales = {}, {}
+        if _needs_whole_scale(qk_cfg, _QUERY_SIDE + _GRAD_SIDE):
+            qk_scales = dict.fromkeys(_QUERY_SIDE, hifp8_scale_exponent(q))
+
+        def probs(r0, r1):
+            return softmax_fn(scores_fn(q[:, r0:r1], k_t, qk_scales), r0, r1)
+
+        if _needs_whole_scale(pv_cfg, _QUERY_SIDE):
+            pv_scales = dict.fromkeys(_QUERY_SIDE, _whole_scale(probs(r0, r1)
+                                                                for r0, r1 in bounds))
+        ctx.scales = (qk_scales, pv_scales)
+        return torch.cat([quantized_matmul(probs(r0, r1), v, pv_cfg, scales=pv_scales)
                           for r0, r1 in bounds], dim=1)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k_t, v = ctx.saved_tensors
+        (scores_fn, softmax_fn), (qk_cfg, pv_cfg) = ctx.fns, ctx.cfgs
+        qk_scales, pv_scales = (dict(s) for s in ctx.scales)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        if _needs_whole_scale(pv_cfg, _GRAD_SIDE):
+            pv_scales.update(dict.fromkeys(_GRAD_SIDE, hifp8_scale_exponent(grad_out)))
+        if _needs_whole_scale(qk_cfg, _GRAD_SIDE):
+            qk_scales.update(dict.fromkeys(_GRAD_SIDE, _whole_scale(
+                _ChunkedAttention._score_grads(q, k_t, v, grad_out, ctx, qk_scales,
+                                               pv_scales))))
         grad_q_parts, grad_k, grad_v = [], None, None
         with torch.enable_grad():
             k_leaf = k_t.detach().requires_grad_(need_k)
             for r0, r1 in ctx.bounds:
                 q_leaf = q[:, r0:r1].detach().requires_grad_(need_q)
-                probs = ctx.probs_fn(q_leaf, k_leaf, r0, r1)
+                probs = softmax_fn(scores_fn(q_leaf, k_leaf, qk_scales), r0, r1)
                 grad_probs, grad_v_part = matmul_grads(probs.detach(), v, grad_out[:, r0:r1],
-                                                       ctx.pv_config, need_b=need_v)
+                                                       pv_cfg, need_b=need_v, scales=pv_scales)
                 if need_v:
                     grad_v = _accumulate(grad_v, grad_v_part)
                 leaves = [t for t, n in ((q_leaf, need_q), (k_leaf, need_k)) if n]
@@ -124,7 +166,22 @@ class _ChunkedAttention(torch.autograd.Function):
         grad_q = torch.cat(grad_q_parts, dim=1) if need_q else None
         grad_k = grad_k.to(k_t.dtype) if grad_k is not None else None
         grad_v = grad_v.to(v.dtype) if grad_v is not None else None
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None
+
+    @staticmethod
+    def _score_grads(q, k_t, v, grad_out, ctx, qk_scales, pv_scales):
+        """dS of every chunk (the gradient reaching the QK^T GEMM), as backward computes it;
+        only their amax is used."""
+        (scores_fn, softmax_fn), (_, pv_cfg) = ctx.fns, ctx.cfgs
+        with torch.enable_grad():
+            for r0, r1 in ctx.bounds:
+                with torch.no_grad():
+                    scores = scores_fn(q[:, r0:r1], k_t, qk_scales)
+                scores.requires_grad_(True)
+                probs = softmax_fn(scores, r0, r1)
+                grad_probs, _ = matmul_grads(probs.detach(), v, grad_out[:, r0:r1], pv_cfg,
+                                             need_b=False, scales=pv_scales)
+                yield torch.autograd.grad(probs, scores, grad_probs)[0]
 
 
 class QuantDotProductAttention(LocalDotProductAttention):
@@ -213,11 +270,14 @@ class QuantDotProductAttention(LocalDotProductAttention):
             # Per-sample masks [b, 1, ...] -> one per (sample, group) row block of q.
             return mask.repeat_interleave(ng, dim=0) if mask.size(0) > 1 else mask
 
-        def probs_fn(q_c, k_t_, r0, r1):
-            scores = quantized_matmul(q_c, k_t_, qk_cfg) * self.softmax_scale
+        def scores_fn(q_c, k_t_, scales):
+            return quantized_matmul(q_c, k_t_, qk_cfg, scales=scales)
+
+        def softmax_fn(scores, r0, r1):
+            scores = scores * self.softmax_scale
             return self._masked_softmax(scores.unsqueeze(1), chunk_mask(r0, r1)).squeeze(1)
 
-        return _ChunkedAttention.apply(q, k_t, v, probs_fn, pv_cfg, bounds)
+        return _ChunkedAttention.apply(q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds)
 
     def _masked_softmax(self, scores, mask):
         """megatron-core's FusedScaleMaskSoftmax (its torch path), for any number of rows."""

@@ -57,7 +57,7 @@ __all__ = [
     "FORMAT_NAMES", "SCALE_MODES", "MX_BLOCK_SIZE", "NAN_EXPONENT", "MIN_SHARED_EXPONENT",
     "MAX_SHARED_EXPONENT", "HIFP8_MAX", "HIFP8_OVERFLOW", "HIFP8_DEFAULT_TARGET_EXPONENT",
     "FormatInfo", "canonical_format", "format_info", "fake_quantize", "mx_shared_exponents",
-    "hifp8_scaled_fake_quantize", "fake_quantize_compiled", "set_compile", "compile_enabled",
+    "hifp8_scaled_fake_quantize", "hifp8_scale_exponent", "fake_quantize_compiled", "set_compile", "compile_enabled",
 ]
 
 FORMAT_NAMES = ("mxfp8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "hifp8", "bf16", "fp16", "none")
@@ -537,9 +537,34 @@ def _hifp8_fake_quantize(x: torch.Tensor, saturate: bool) -> torch.Tensor:
     return _hifp8_round(work, x, owned, saturate).to(x.dtype)
 
 
+def hifp8_scale_exponent(x: torch.Tensor,
+                         target_exponent: int = HIFP8_DEFAULT_TARGET_EXPONENT) -> torch.Tensor:
+    """The per-tensor scale exponent k of `hifp8_scaled_fake_quantize`, as a 0-dim int tensor
+    on x's device (no host sync): k = target_exponent - floor(log2 amax), clamped to
+    [-127, 127]; 0 for an all-zero tensor or one holding NaN/Inf."""
+    _check_tensor(x)
+    _check_target_exponent(target_exponent)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.int32, device=x.device)
+    amax = x.detach().abs().amax().float()
+    return _scale_exponent_of_amax(amax, target_exponent)
+
+
+def _scale_exponent_of_amax(amax: torch.Tensor, target_exponent: int) -> torch.Tensor:
+    _, e = torch.frexp(amax)                  # amax = m * 2**e, m in [0.5, 1)
+    k = (target_exponent + 1 - e).clamp(MIN_SHARED_EXPONENT, MAX_SHARED_EXPONENT)
+    return torch.where(torch.isfinite(amax) & (amax > 0), k, torch.zeros_like(k))
+
+
+def _check_target_exponent(target_exponent) -> None:
+    if not isinstance(target_exponent, int) or not -15 <= target_exponent <= 15:
+        raise ValueError(f"target_exponent must be an int in [-15, 15], got {target_exponent!r}")
+
+
 def hifp8_scaled_fake_quantize(x: torch.Tensor,
                                target_exponent: int = HIFP8_DEFAULT_TARGET_EXPONENT,
-                               saturate: bool = True) -> torch.Tensor:
+                               saturate: bool = True,
+                               scale_exponent=None) -> torch.Tensor:
     """HiFP8 fake quantization with one per-tensor power-of-two scale.
 
     The scale is 2**k with k = target_exponent - floor(log2 amax) (exact, from frexp), so the
@@ -554,21 +579,26 @@ def hifp8_scaled_fake_quantize(x: torch.Tensor,
     maximum (target 15) instead trades the top precision (1 mantissa bit) for 12 more binades
     of range at the bottom. k is clamped to [-127, 127]; a tensor that is all zeros or holds
     NaN/Inf is quantized unscaled.
+
+    `scale_exponent` (an int or a 0-dim integer tensor) imposes k instead of deriving it from
+    x: the operand of a GEMM processed in pieces (chunked attention) is scaled by the k of the
+    whole operand (`hifp8_scale_exponent`).
     """
     _check_tensor(x)
-    if not isinstance(target_exponent, int) or not -15 <= target_exponent <= 15:
-        raise ValueError(f"target_exponent must be an int in [-15, 15], got {target_exponent!r}")
+    _check_target_exponent(target_exponent)
     _check_saturate("hifp8", saturate)
     if x.numel() == 0:
         return x.clone()
-    work, owned = _to_compute(x)
-    amax = torch.maximum(work.amax(), work.amin().neg())
-    _, k = torch.frexp(amax)
-    k = (target_exponent + 1 - k).clamp(MIN_SHARED_EXPONENT, MAX_SHARED_EXPONENT)
-    k = torch.where(torch.isfinite(amax) & (amax > 0), k, 0)
-    scaled = work.mul_(_pow2(k, work.dtype)) if owned else work * _pow2(k, work.dtype)
-    q = _hifp8_round(scaled, x, True, bool(saturate))
-    return q.mul_(_pow2(-k, work.dtype)).to(x.dtype)
+    with torch.no_grad():
+        work, owned = _to_compute(x)
+        if scale_exponent is None:
+            k = _scale_exponent_of_amax(torch.maximum(work.amax(), work.amin().neg()),
+                                        target_exponent)
+        else:
+            k = torch.as_tensor(scale_exponent, device=x.device).to(torch.int32)
+        scaled = work.mul_(_pow2(k, work.dtype)) if owned else work * _pow2(k, work.dtype)
+        q = _hifp8_round(scaled, x, True, bool(saturate))
+        return q.mul_(_pow2(-k, work.dtype)).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------

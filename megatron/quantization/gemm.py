@@ -34,10 +34,12 @@ operands kept in high precision. Exception: the wgrad operands of quantized_line
 reported as the 2-D token-flattened tensors ([M, K] and [M, N], axis 0) they are quantized as.
 In every case
 
-    q == fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode,
-                       saturate=config.saturate_for(fmt))
+    q == quantize_operand(hp, fmt, axis, config)
 
-bit for bit. saturate_for is None for every format but HiFP8, so for MX this is the plain
+bit for bit, which is `fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode,
+saturate=config.saturate_for(fmt))` except for tensor-scaled HiFP8 operands
+(`config.hifp8_scaling == "tensor"`), where it is `hifp8_scaled_fake_quantize(hp,
+saturate=...)`. saturate_for is None for every format but HiFP8, so for MX this is the plain
 `fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode)`; HiFP8 operands saturate at
 +-32768 by default (MatmulQuantConfig.hifp8_saturate), which differs from the plain cast only
 for |hp| >= 40960.
@@ -51,10 +53,17 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.quantization.formats import SCALE_MODES, canonical_format, fake_quantize
+from megatron.quantization.formats import (
+    SCALE_MODES,
+    canonical_format,
+    fake_quantize,
+    hifp8_scaled_fake_quantize,
+)
 
 __all__ = ["OperandFormats", "MatmulQuantConfig", "quantized_matmul", "quantized_linear",
-           "matmul_grads"]
+           "matmul_grads", "quantize_operand", "HIFP8_SCALINGS"]
+
+HIFP8_SCALINGS = ("none", "tensor")
 
 Observer = Callable[..., None]
 
@@ -85,7 +94,9 @@ class MatmulQuantConfig:
 
     scale_mode is the MX scale rule ("floor" or "rceil"). hifp8_saturate makes HiFP8 operands
     saturate at +-32768 instead of overflowing to +-Inf (the training behaviour: one outlier
-    must not turn a whole GEMM into Inf/NaN).
+    must not turn a whole GEMM into Inf/NaN). hifp8_scaling "tensor" gives every HiFP8
+    operand one power-of-two scale from its own amax (formats.hifp8_scaled_fake_quantize);
+    "none" casts it unscaled.
     """
 
     fprop: OperandFormats = OperandFormats()
@@ -93,6 +104,7 @@ class MatmulQuantConfig:
     wgrad: OperandFormats = OperandFormats()
     scale_mode: str = "floor"
     hifp8_saturate: bool = True
+    hifp8_scaling: str = "none"
 
     def __post_init__(self):
         for gemm in ("fprop", "dgrad", "wgrad"):
@@ -103,6 +115,9 @@ class MatmulQuantConfig:
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(f"unknown MX scale_mode {self.scale_mode!r}; valid modes: "
                              f"{', '.join(SCALE_MODES)}")
+        if self.hifp8_scaling not in HIFP8_SCALINGS:
+            raise ValueError(f"unknown HiFP8 scaling {self.hifp8_scaling!r}; valid: "
+                             f"{', '.join(HIFP8_SCALINGS)}")
 
     @property
     def enabled(self) -> bool:
@@ -113,13 +128,30 @@ class MatmulQuantConfig:
         """The fake_quantize `saturate` argument this config uses for `fmt`."""
         return self.hifp8_saturate if fmt == "hifp8" else None
 
+    def tensor_scaled(self, fmt: str) -> bool:
+        """True when operands in `fmt` get a per-tensor scale (HiFP8 with scaling "tensor")."""
+        return fmt == "hifp8" and self.hifp8_scaling == "tensor"
 
-def _operand(observer, config, gemm, name, hp, fmt, axis):
-    """Quantize one GEMM operand (or pass it through) and report it."""
+
+def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantConfig,
+                     scale_exponent=None) -> torch.Tensor:
+    """How `config` quantizes one GEMM operand in `fmt` blocked along `axis`: the single
+    definition the GEMMs use and captures are reproduced with. `scale_exponent` imposes the
+    per-tensor scale of a tensor-scaled operand (see formats.hifp8_scaled_fake_quantize)."""
+    if config.tensor_scaled(fmt):
+        return hifp8_scaled_fake_quantize(hp, saturate=config.saturate_for(fmt),
+                                          scale_exponent=scale_exponent)
+    return fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode,
+                         saturate=config.saturate_for(fmt))
+
+
+def _operand(observer, config, gemm, name, hp, fmt, axis, scales=None):
+    """Quantize one GEMM operand (or pass it through) and report it. `scales` maps
+    (gemm, name) to imposed per-tensor scale exponents (operands cut into chunks)."""
     q = None
     if fmt != "none":
-        q = fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode,
-                          saturate=config.saturate_for(fmt))
+        scale = scales.get((gemm, name)) if scales else None
+        q = quantize_operand(hp, fmt, axis, config, scale)
     if observer is not None:
         observer(gemm, name, hp, q, fmt, axis)
     return hp if q is None else q
@@ -133,34 +165,34 @@ def _result(observer, gemm, name, value):
 
 class _QuantizedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, config, observer):
+    def forward(ctx, a, b, config, observer, scales):
         ctx.save_for_backward(a, b)
-        ctx.config, ctx.observer = config, observer
-        qa = _operand(observer, config, "fprop", "a", a, config.fprop.a, a.dim() - 1)
-        qb = _operand(observer, config, "fprop", "b", b, config.fprop.b, b.dim() - 2)
+        ctx.config, ctx.observer, ctx.scales = config, observer, scales
+        qa = _operand(observer, config, "fprop", "a", a, config.fprop.a, a.dim() - 1, scales)
+        qb = _operand(observer, config, "fprop", "b", b, config.fprop.b, b.dim() - 2, scales)
         return _result(observer, "fprop", "output", torch.matmul(qa, qb))
 
     @staticmethod
     def backward(ctx, grad_c):
         a, b = ctx.saved_tensors
         grad_a, grad_b = matmul_grads(a, b, grad_c, ctx.config, ctx.observer,
-                                      *ctx.needs_input_grad[:2])
-        return grad_a, grad_b, None, None
+                                      *ctx.needs_input_grad[:2], scales=ctx.scales)
+        return grad_a, grad_b, None, None, None
 
 
 def matmul_grads(a, b, grad_c, config: MatmulQuantConfig, observer=None, need_a: bool = True,
-                 need_b: bool = True):
+                 need_b: bool = True, scales=None):
     """(dA, dB) of C = A @ B: the dgrad and wgrad GEMMs quantized_matmul's backward runs."""
     grad_a = grad_b = None
     if need_a:
         qg = _operand(observer, config, "dgrad", "grad_output", grad_c, config.dgrad.a,
-                      grad_c.dim() - 1)
-        qb = _operand(observer, config, "dgrad", "b", b, config.dgrad.b, b.dim() - 1)
+                      grad_c.dim() - 1, scales)
+        qb = _operand(observer, config, "dgrad", "b", b, config.dgrad.b, b.dim() - 1, scales)
         grad_a = _result(observer, "dgrad", "grad_a", torch.matmul(qg, qb.transpose(-1, -2)))
     if need_b:
-        qa = _operand(observer, config, "wgrad", "a", a, config.wgrad.a, a.dim() - 2)
+        qa = _operand(observer, config, "wgrad", "a", a, config.wgrad.a, a.dim() - 2, scales)
         qg = _operand(observer, config, "wgrad", "grad_output", grad_c, config.wgrad.b,
-                      grad_c.dim() - 2)
+                      grad_c.dim() - 2, scales)
         grad_b = _result(observer, "wgrad", "grad_b", torch.matmul(qa.transpose(-1, -2), qg))
     return grad_a, grad_b
 
@@ -198,18 +230,21 @@ class _QuantizedLinear(torch.autograd.Function):
 
 
 def quantized_matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulQuantConfig,
-                     observer: Optional[Observer] = None) -> torch.Tensor:
+                     observer: Optional[Observer] = None, scales=None) -> torch.Tensor:
     """a @ b with every GEMM's operands quantized as `config` says.
 
     a [..., M, K] and b [..., K, N] must have the same leading batch dims (no broadcasting:
-    a broadcast operand's wgrad would quantize per batch entry, not per GEMM).
+    a broadcast operand's wgrad would quantize per batch entry, not per GEMM). `scales` maps
+    (gemm, operand) -- ("fprop", "a"), ("dgrad", "grad_output"), ... -- to the per-tensor
+    scale exponent a tensor-scaled operand must use, for a GEMM that is one piece of a
+    larger one (chunked attention); other operands derive their scales themselves.
     """
     if not config.enabled and observer is None:
         return torch.matmul(a, b)
     if a.dim() < 2 or b.dim() < 2 or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
         raise ValueError(f"quantized_matmul needs a [..., M, K] and b [..., K, N] with the same "
                          f"batch dims, got {tuple(a.shape)} and {tuple(b.shape)}")
-    return _QuantizedMatmul.apply(a, b, config, observer)
+    return _QuantizedMatmul.apply(a, b, config, observer, scales)
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

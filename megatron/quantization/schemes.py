@@ -13,7 +13,11 @@ with <fmt> one of mxfp8, mxfp4, hifp8. At a quantized site each of the three GEM
 dgrad, wgrad) quantizes both of its operands from the high-precision tensors along its own
 reduction axis (see gemm.py). Gradient operands (dY) of MXFP8 sites use --mx-grad-format
 (E4M3 by default, as NVIDIA's MXFP8 recipe; E5M2 optional); MXFP4 and HiFP8 sites quantize
-gradients in their own format. --no-quant-backward keeps dgrad and wgrad in high precision.
+gradients in their own format. --no-quant-backward keeps dgrad and wgrad in high precision;
+--quant-fprop/--quant-dgrad/--quant-wgrad set one GEMM's format at every quantized site (e.g.
+wgrad in high precision, as several published recipes do; an explicit backward format wins
+over --no-quant-backward). --hifp8-scaling tensor gives every HiFP8 operand a per-tensor
+power-of-two scale from its own amax.
 
 `QuantConfig` is the single resolved decision; `describe()` prints it at start-up.
 """
@@ -22,10 +26,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import FrozenSet, Optional, Sequence
+from typing import Dict, FrozenSet, Optional, Sequence
 
 from megatron.quantization.formats import canonical_format
-from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats
+from megatron.quantization.gemm import HIFP8_SCALINGS, MatmulQuantConfig, OperandFormats
 from megatron.quantization import layer_lists
 
 ELEMENT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
@@ -36,6 +40,7 @@ GRAD_FORMATS = ("e4m3", "e5m2")
 OVERRIDE_FORMATS = ("none", "mxfp8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "hifp8")
 ENV_SCHEME = "CUSTOM_QUANT_TYPE"
 ATTENTION_IMPLS = ("auto", "unfused")
+GEMMS = ("fprop", "dgrad", "wgrad")
 
 NONE = MatmulQuantConfig()
 
@@ -71,21 +76,36 @@ def scheme_from_env(environ=os.environ) -> str:
                       f"{', '.join(SCHEMES + ELEMENT_FORMATS)}")
 
 
-def site_config(fmt: str, grad_format: str, backward: bool, scale_mode: str) -> MatmulQuantConfig:
-    """Per-GEMM formats for one site quantized in `fmt` ('none' -> high precision)."""
+def _grad_variant(fmt: str, grad_format: str) -> str:
+    """The format of gradient operands (dY) at a site quantized in `fmt`."""
+    return canonical_format(f"mxfp8_{grad_format}") if fmt.startswith("mxfp8") else fmt
+
+
+def site_config(fmt: str, grad_format: str, backward: bool, scale_mode: str,
+                hifp8_scaling: str = "none",
+                gemm_formats: Optional[Dict[str, str]] = None) -> MatmulQuantConfig:
+    """Per-GEMM formats for one site quantized in `fmt` ('none' -> high precision).
+
+    `gemm_formats` ({"fprop"|"dgrad"|"wgrad": format or "none"}) overrides the format of that
+    GEMM at a quantized site; an explicit backward GEMM format also wins over
+    `backward=False`. A site in high precision stays so."""
     if fmt == "none":
         return NONE
+    gemm_formats = gemm_formats or {}
     fmt = canonical_format(fmt)
-    grad = fmt
-    if fmt.startswith("mxfp8"):
-        grad = canonical_format(f"mxfp8_{grad_format}")
-    if not backward:
-        return MatmulQuantConfig(fprop=OperandFormats(fmt, fmt), scale_mode=scale_mode)
+
+    def gemm_format(gemm: str) -> str:
+        if gemm in gemm_formats:
+            return canonical_format(gemm_formats[gemm])
+        return fmt if gemm == "fprop" or backward else "none"
+
+    f, d, w = (gemm_format(g) for g in GEMMS)
     return MatmulQuantConfig(
-        fprop=OperandFormats(fmt, fmt),      # (X or Q or P, W or K^T or V)
-        dgrad=OperandFormats(grad, fmt),     # (dY, W ...)
-        wgrad=OperandFormats(fmt, grad),     # (X ..., dY)
+        fprop=OperandFormats(f, f),                              # (X or Q or P, W or K^T or V)
+        dgrad=OperandFormats(_grad_variant(d, grad_format), d),  # (dY, W ...)
+        wgrad=OperandFormats(w, _grad_variant(w, grad_format)),  # (X ..., dY)
         scale_mode=scale_mode,
+        hifp8_scaling=hifp8_scaling,
     )
 
 
@@ -135,7 +155,13 @@ class QuantConfig:
             if not cfg.enabled:
                 lines.append(f"  {title:<15} high precision")
                 continue
-            lines.append(f"  {title:<15} scale mode {cfg.scale_mode}")
+            formats = {getattr(getattr(cfg, g), side) for g in GEMMS for side in ("a", "b")}
+            details = [f"MX scale mode {cfg.scale_mode}"] if any(
+                f.startswith("mx") for f in formats) else []
+            if "hifp8" in formats:
+                details.append("HiFP8 " + ("per-tensor scaling" if cfg.hifp8_scaling == "tensor"
+                                           else "unscaled"))
+            lines.append(f"  {title:<15} {'; '.join(details)}")
             for gemm, (a, b) in (("fprop", fprop), ("dgrad", dgrad), ("wgrad", wgrad)):
                 ops = getattr(cfg, gemm)
                 lines.append(f"    {gemm:<6} {a}: {ops.a:<11} {b}: {ops.b}")
@@ -162,8 +188,22 @@ def build_quant_config(scheme: str, num_layers: int, linear_quant: Optional[str]
                        attn_qk_quant: Optional[str] = None, attn_pv_quant: Optional[str] = None,
                        backward: bool = True, scale_mode: str = "floor", grad_format: str = "e4m3",
                        skip_layers: Sequence[str] = (), output_layer: bool = False,
-                       attention_impl: str = "auto") -> QuantConfig:
-    """Resolve a scheme plus overrides into a QuantConfig (overrides win and are noted)."""
+                       attention_impl: str = "auto", hifp8_scaling: str = "none",
+                       gemm_formats: Optional[Dict[str, str]] = None) -> QuantConfig:
+    """Resolve a scheme plus overrides into a QuantConfig (overrides win and are noted).
+
+    `gemm_formats` ({"fprop"|"dgrad"|"wgrad": format}) sets that GEMM's format at every
+    quantized site (--quant-fprop/--quant-dgrad/--quant-wgrad)."""
+    gemm_formats = {g: f for g, f in (gemm_formats or {}).items() if f is not None}
+    for gemm, fmt in gemm_formats.items():
+        if gemm not in GEMMS:
+            raise SchemeError(f"unknown GEMM {gemm!r}; valid: {', '.join(GEMMS)}")
+        if fmt not in OVERRIDE_FORMATS:
+            raise SchemeError(f"--quant-{gemm} {fmt!r} is not a format; valid: "
+                              f"{', '.join(OVERRIDE_FORMATS)}")
+    if hifp8_scaling not in HIFP8_SCALINGS:
+        raise SchemeError(f"unknown HiFP8 scaling {hifp8_scaling!r}; valid: "
+                          f"{', '.join(HIFP8_SCALINGS)}")
     if attention_impl not in ATTENTION_IMPLS:
         raise SchemeError(f"unknown attention implementation {attention_impl!r}; valid: "
                           f"{', '.join(ATTENTION_IMPLS)}")
@@ -183,7 +223,19 @@ def build_quant_config(scheme: str, num_layers: int, linear_quant: Optional[str]
     linear_fmt = linear_quant if linear_quant is not None else linear_fmt
     qk_fmt = attn_qk_quant if attn_qk_quant is not None else qk_fmt
     pv_fmt = attn_pv_quant if attn_pv_quant is not None else pv_fmt
-    make = lambda fmt: site_config(fmt, grad_format, backward, scale_mode)  # noqa: E731
+    for gemm, fmt in gemm_formats.items():
+        notes.append(f"--quant-{gemm} {fmt}: the {gemm} GEMM of every quantized site in "
+                     f"{'high precision' if fmt == 'none' else fmt}")
+    if all(f == "none" for f in (linear_fmt, qk_fmt, pv_fmt)) and gemm_formats:
+        notes.append(f"{', '.join('--quant-' + g for g in gemm_formats)} change nothing: no "
+                     f"site is quantized by scheme {scheme}")
+    if hifp8_scaling != "none":
+        notes.append(f"--hifp8-scaling {hifp8_scaling}: every HiFP8 operand gets one "
+                     "power-of-two scale from its own amax (its largest magnitude in [8, 16))")
+
+    def make(fmt: str) -> MatmulQuantConfig:
+        return site_config(fmt, grad_format, backward, scale_mode, hifp8_scaling, gemm_formats)
+
     return QuantConfig(
         scheme=scheme,
         linear=make(linear_fmt),

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.quantization.formats import hifp8_scale_exponent
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture.format import record_file_name, record_name, short_module_name
 from megatron.tensor_capture.roles import COMPONENT_OF_KIND, COMPONENT_TAG, LAYER_TYPE, Role
@@ -244,13 +245,16 @@ class Recorder:
             self.counter += 1
         if axis is not None and hp.dim():
             axis = axis % hp.dim()
+        # The per-tensor scale of a tensor-scaled HiFP8 operand (a capture sees whole operands).
+        scale_k = int(hifp8_scale_exponent(hp)) if q is not None and config.tensor_scaled(fmt) \
+            else None
         meta = self._metadata(info, config, role, iteration, micro_batch, gemm, operand, hp,
-                              q is not None, fmt, axis, counter)
+                              q is not None, fmt, axis, counter, scale_k)
         file_name = record_file_name(self.context.run_id, counter, meta, info.module) \
             if self.full else None
         item = CaptureItem(metadata=meta, file_name=file_name, keep_tensors=self.full,
                            pool=self.pool)
-        stats_args = (fmt, axis, config.scale_mode) if q is not None else ("none",)
+        stats_args = (fmt, axis, config.scale_mode, scale_k) if q is not None else ("none",)
         earlier = self.same_data.get(hp)
         if hp.device.type == "cpu" and not self.full:
             # Statistics later, in the writer thread, from the host copies.
@@ -274,7 +278,8 @@ class Recorder:
         return self.submit(item)
 
     def _metadata(self, info: SiteInfo, config, role: Role, iteration, micro_batch, gemm,
-                  operand, hp, quantized: bool, fmt: str, axis, counter: int) -> dict:
+                  operand, hp, quantized: bool, fmt: str, axis, counter: int,
+                  scale_k: Optional[int] = None) -> dict:
         ctx = self.context
         meta = {
             "layer_type": info.layer_type, "layer_idx": info.layer, "module": info.module_path,
@@ -292,6 +297,9 @@ class Recorder:
             saturate = config.saturate_for(fmt)
             if saturate is not None:
                 meta["saturate"] = saturate
+            if scale_k is not None:
+                meta["hifp8_scaling"] = "tensor"
+                meta["hifp8_scale_exponent"] = scale_k
         if info.component == "attention" and role.layout:
             meta["dims"] = attention_dims(role.layout, hp.shape, info.groups,
                                           info.heads_per_group)

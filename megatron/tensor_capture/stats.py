@@ -246,25 +246,29 @@ def _difference(x: torch.Tensor, q: torch.Tensor, info, absmax: float) -> torch.
 
 
 def quant_error(x: torch.Tensor, q: torch.Tensor, fmt: str, axis: Optional[int] = None,
-                scale_mode: str = "floor") -> dict:
+                scale_mode: str = "floor", hifp8_scale_exponent: Optional[int] = None) -> dict:
     """Error of q = fake_quantize(x, fmt, axis, scale_mode, ...) relative to x.
 
     mse, sqnr_db and relative_error are over the elements where both x and q are finite
     (float64 accumulation); fractions have the documented denominators and are 0 when that
-    is empty.
+    is empty. `hifp8_scale_exponent` k says q = 2**-k * HiF8(2**k * x) (per-tensor scaling):
+    saturation and the HiFP8 regions are then those of the values the grid saw, 2**k * x,
+    and `hifp8_regions_unscaled` adds the regions x itself would occupy.
     """
-    return record_stats(x, q, fmt, axis, scale_mode)[1]
+    return record_stats(x, q, fmt, axis, scale_mode, hifp8_scale_exponent)[1]
 
 
 def record_stats(x: torch.Tensor, q: Optional[torch.Tensor] = None, fmt: str = "none",
-                 axis: Optional[int] = None, scale_mode: str = "floor"):
+                 axis: Optional[int] = None, scale_mode: str = "floor",
+                 hifp8_scale_exponent: Optional[int] = None):
     """(tensor_info(x), quant_error(x, q, ...) or None), sharing the reductions over x."""
-    info, error, _ = compute_stats(x, q, fmt, axis, scale_mode)
+    info, error, _ = compute_stats(x, q, fmt, axis, scale_mode, hifp8_scale_exponent)
     return info, error
 
 
 def compute_stats(x: torch.Tensor, q: Optional[torch.Tensor] = None, fmt: str = "none",
                   axis: Optional[int] = None, scale_mode: str = "floor",
+                  hifp8_scale_exponent: Optional[int] = None,
                   moments: Optional[Moments] = None):
     """record_stats plus the Moments of x; pass `moments` of the same data (another view of
     the same tensor) to skip recomputing them."""
@@ -275,7 +279,8 @@ def compute_stats(x: torch.Tensor, q: Optional[torch.Tensor] = None, fmt: str = 
     info = _info_from(x, m)     # requires_grad / is_leaf of the tensor as given
     if q is None:
         return info, None, m
-    return info, _quant_error(x.detach(), q.detach(), format_info(fmt), axis, scale_mode, m), m
+    return info, _quant_error(x.detach(), q.detach(), format_info(fmt), axis, scale_mode, m,
+                              hifp8_scale_exponent), m
 
 
 def _empty_error(info) -> dict:
@@ -288,7 +293,7 @@ def _empty_error(info) -> dict:
     return result
 
 
-def _quant_error(x, q, info, axis, scale_mode, m: Moments) -> dict:
+def _quant_error(x, q, info, axis, scale_mode, m: Moments, hifp8_k: Optional[int] = None) -> dict:
     result = _empty_error(info)
     n = m.n
     qlo, qhi = q.aminmax()
@@ -313,10 +318,17 @@ def _quant_error(x, q, info, axis, scale_mode, m: Moments) -> dict:
                                                       scale_mode, all_finite)
         result.update(scale_exponent_hist=hist, nan_blocks=nan_blocks)
     elif info.kind == "hifp8":
-        # Clamped to +-32768 (saturating cast) or sent to +-Inf (plain cast).
-        big = q.abs() >= info.max_normal
+        # Clamped to +-32768 (saturating cast) or sent to +-Inf (plain cast), on the grid's
+        # side of the scale: |2**k q| >= 32768.
+        limit = info.max_normal * 2.0 ** -(hifp8_k or 0)
+        big = q.abs() >= limit
         saturated = torch.count_nonzero(big if all_finite else big & torch.isfinite(x))
-        result["hifp8_regions"] = hifp8_regions(x, all_finite)
+        if hifp8_k is None:
+            result["hifp8_regions"] = hifp8_regions(x, all_finite)
+        else:
+            grid = x.double() * 2.0 ** hifp8_k   # exact: float64 holds every scaled value
+            result["hifp8_regions"] = hifp8_regions(grid, all_finite)
+            result["hifp8_regions_unscaled"] = hifp8_regions(x, all_finite)
     elif info.kind == "float":
         saturated = torch.count_nonzero(torch.isfinite(x) & (x.abs() > info.max_normal))
     else:

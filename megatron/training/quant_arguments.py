@@ -13,6 +13,7 @@ from megatron.quantization.schemes import (
     ATTENTION_IMPLS,
     ENV_SCHEME,
     GRAD_FORMATS,
+    HIFP8_SCALINGS,
     OVERRIDE_FORMATS,
     SCHEMES,
     QuantConfig,
@@ -42,6 +43,19 @@ def add_quantization_args(parser):
     group.add_argument("--quant-backward", action=argparse.BooleanOptionalAction, default=True,
                        help="Also quantize the backward GEMMs (dgrad and wgrad) of quantized "
                             "sites; --no-quant-backward keeps them in high precision.")
+    for gemm, what in (("fprop", "the forward GEMM (X·W, Q·K^T, P·V)"),
+                       ("dgrad", "the input-gradient GEMM (dY·W^T ...)"),
+                       ("wgrad", "the weight-gradient GEMM (X^T·dY ...)")):
+        group.add_argument(f"--quant-{gemm}", type=str, default=None, choices=OVERRIDE_FORMATS,
+                           help=f"Format of {what} at every quantized site, overriding the "
+                                "scheme for that GEMM ('none' = high precision, e.g. "
+                                "--quant-wgrad none keeps weight gradients in bf16). Sites the "
+                                "scheme keeps in high precision stay so.")
+    group.add_argument("--hifp8-scaling", type=str, default="none", choices=HIFP8_SCALINGS,
+                       help="Scaling of HiFP8 operands: none (the plain per-element cast) or "
+                            "tensor (one power-of-two scale per operand from its current amax, "
+                            "putting its largest magnitude in [8, 16), the 3-bit-mantissa "
+                            "region; forward and backward).")
     group.add_argument("--mx-scale-mode", type=str, default="floor", choices=["floor", "rceil"],
                        help="MX shared-scale rule: floor (OCP spec: floor(log2 amax) - emax) or "
                             "rceil (NVIDIA recipe: ceil(log2(amax / max_normal))).")
@@ -74,7 +88,10 @@ def quant_config_from_args(args) -> QuantConfig:
         attn_qk_quant=args.attn_qk_quant, attn_pv_quant=args.attn_pv_quant,
         backward=args.quant_backward, scale_mode=args.mx_scale_mode,
         grad_format=args.mx_grad_format, skip_layers=args.quant_skip_layers or (),
-        output_layer=args.quant_output_layer, attention_impl=args.quant_attention_impl)
+        output_layer=args.quant_output_layer, attention_impl=args.quant_attention_impl,
+        hifp8_scaling=args.hifp8_scaling,
+        gemm_formats={"fprop": args.quant_fprop, "dgrad": args.quant_dgrad,
+                      "wgrad": args.quant_wgrad})
 
 
 def validate_quantization_args(args):
