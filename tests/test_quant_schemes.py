@@ -106,3 +106,47 @@ def test_bad_names_are_rejected(capsys):
         validate_args(parse_args(TINY_MOCK_ARGS + ["--train-iters", "2", "--quant-scheme",
                                                    "linear_mxfp8", "--quant-skip-layers", "3"]),
                       check_paths=False)
+
+
+def _formats(site):
+    return {g: (getattr(site, g).a, getattr(site, g).b) for g in ("fprop", "dgrad", "wgrad")}
+
+
+def test_per_gemm_formats_override_the_scheme_at_quantized_sites():
+    cfg = build_quant_config("FA_linear_mxfp4", 4, gemm_formats={"wgrad": "none"})
+    for site in (cfg.linear, cfg.attn_qk):
+        assert _formats(site) == {"fprop": ("mxfp4", "mxfp4"), "dgrad": ("mxfp4", "mxfp4"),
+                                  "wgrad": ("none", "none")}
+    assert not cfg.attn_pv.enabled                        # kept in high precision: stays so
+    text = cfg.describe(4)
+    assert "wgrad  grad_output: none" in text and "--quant-wgrad none" in text
+    # An MXFP8 dgrad/wgrad keeps the gradient element format for dY.
+    cfg = build_quant_config("linear_mxfp4", 2, grad_format="e5m2",
+                             gemm_formats={"fprop": "mxfp8", "dgrad": "mxfp8"})
+    assert _formats(cfg.linear) == {"fprop": ("mxfp8_e4m3", "mxfp8_e4m3"),
+                                    "dgrad": ("mxfp8_e5m2", "mxfp8_e4m3"),
+                                    "wgrad": ("mxfp4", "mxfp4")}
+    # An explicit backward GEMM format wins over --no-quant-backward.
+    cfg = build_quant_config("linear_hifp8", 2, backward=False, gemm_formats={"wgrad": "hifp8"})
+    assert _formats(cfg.linear) == {"fprop": ("hifp8", "hifp8"), "dgrad": ("none", "none"),
+                                    "wgrad": ("hifp8", "hifp8")}
+    cfg = build_quant_config("bf16", 2, gemm_formats={"fprop": "mxfp8"})
+    assert not cfg.enabled and "change nothing" in cfg.describe(2)
+    with pytest.raises(SchemeError, match="--quant-wgrad 'fp7' is not a format"):
+        build_quant_config("linear_mxfp4", 2, gemm_formats={"wgrad": "fp7"})
+
+
+def test_hifp8_scaling_flag(capsys):
+    cfg = build_quant_config("FA_linear_hifp8", 2, hifp8_scaling="tensor")
+    assert cfg.linear.hifp8_scaling == cfg.attn_qk.hifp8_scaling == "tensor"
+    assert "HiFP8 per-tensor scaling" in cfg.describe(2)
+    assert "MX scale mode" not in cfg.describe(2)
+    with pytest.raises(SchemeError, match="unknown HiFP8 scaling 'block'"):
+        build_quant_config("FA_linear_hifp8", 2, hifp8_scaling="block")
+    args = validate_args(parse_args(TINY_MOCK_ARGS + [
+        "--train-iters", "1", "--quant-scheme", "linear_mxfp8", "--quant-dgrad", "none",
+        "--hifp8-scaling", "tensor"]), check_paths=False)
+    assert _formats(args.quant_config.linear)["dgrad"] == ("none", "none")
+    with pytest.raises(SystemExit):
+        parse_args(TINY_MOCK_ARGS + ["--train-iters", "1", "--quant-fprop", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err

@@ -74,6 +74,16 @@ def test_scheme_quantizes_exactly_its_gemms(scheme):
     assert counter.sites_run["output_layer"] == {"output_layer"}  # ran, never quantized here
 
 
+def test_quant_wgrad_none_keeps_weight_gradients_in_high_precision():
+    result, counter = train(["--quant-scheme", "FA_linear_mxfp4", "--quant-wgrad", "none"])
+    assert result.exit_code == 0
+    gemms = {(kind, gemm) for kind, gemm, _, _ in counter.quantized}
+    assert gemms == {(k, g) for k in ("linear", "attn_qk") for g in ("fprop", "dgrad")}
+    runs = 2 * 2 * 2 * 4          # iterations x micro-batches x layers x linears per layer
+    assert counter.high_precision[("linear", "wgrad", "input")] == runs
+    assert counter.high_precision[("linear", "wgrad", "grad_output")] == runs
+
+
 def test_linear_mxfp8_stays_close_to_bf16(bf16_losses):
     mx, _ = train(["--quant-scheme", "linear_mxfp8"], iters=5)
     for it in range(1, 6):
