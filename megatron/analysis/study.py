@@ -1,0 +1,178 @@
+"""Multi-seed scheme studies: paired gaps with 95% intervals, verdicts, curves and tables.
+
+A study trains every scheme at every seed; a seed fixes the initialisation and the data
+order, so the runs of one seed differ only in the quantization. The gap of a scheme to the
+baseline is therefore computed per seed (paired) and its 95% interval comes from the paired
+differences with Student's t distribution:
+
+    d_s = 100 * (L_scheme,s - L_base,s) / L_base,s          for each seed s run by both
+    gap = mean(d),  ci95 = gap -+ t(0.975, n - 1) * sd(d) / sqrt(n)
+
+The verdict is "within noise" when the interval contains 0, "worse" when it lies above 0 and
+"better" below; with fewer than two paired seeds there is no interval and the verdict says
+so ("insufficient seeds"). The baseline's own seed-to-seed spread is reported as the noise
+floor of the study.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Dict, List, Optional, Sequence
+
+WORSE, BETTER, WITHIN_NOISE, INSUFFICIENT = "worse", "better", "within noise", \
+    "insufficient seeds"
+
+
+def t_quantile_975(dof: int) -> float:
+    """The 0.975 quantile of Student's t with `dof` degrees of freedom."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, dof))
+
+
+def mean_std(values: Sequence[float]) -> Dict[str, Optional[float]]:
+    """Mean and sample standard deviation (n - 1); std is None below two values."""
+    n = len(values)
+    if n == 0:
+        return {"mean": None, "std": None}
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    return {"mean": mean, "std": std}
+
+
+def paired_gap(baseline: Dict[int, float], scheme: Dict[int, float]) -> dict:
+    """The gap in % of `scheme` to `baseline` (both {seed: final validation loss}), paired by
+    seed: {"mean", "ci95", "seeds", "differences", "verdict"}."""
+    seeds = sorted(set(baseline) & set(scheme))
+    diffs = [100.0 * (scheme[s] - baseline[s]) / baseline[s] for s in seeds]
+    result = {"mean": None, "ci95": None, "seeds": seeds, "differences": diffs,
+              "verdict": INSUFFICIENT}
+    if not diffs:
+        return result
+    stats = mean_std(diffs)
+    result["mean"] = stats["mean"]
+    if len(diffs) < 2:
+        return result
+    half = t_quantile_975(len(diffs) - 1) * stats["std"] / math.sqrt(len(diffs))
+    low, high = stats["mean"] - half, stats["mean"] + half
+    result["ci95"] = [low, high]
+    result["verdict"] = WORSE if low > 0 else BETTER if high < 0 else WITHIN_NOISE
+    return result
+
+
+def summarize(runs: List[dict], baseline: str) -> Dict[str, dict]:
+    """The "schemes" section of study.json from its "runs" (finished runs only)."""
+    finals: Dict[str, Dict[int, float]] = {}
+    for run in runs:
+        if run.get("status") == "done" and run.get("final_val_loss") is not None:
+            finals.setdefault(run["scheme"], {})[run["seed"]] = run["final_val_loss"]
+    schemes = {}
+    for name in dict.fromkeys(r["scheme"] for r in runs):
+        per_seed = finals.get(name, {})
+        seeds = sorted(per_seed)
+        entry = {"seeds": seeds, "final_val_loss": [per_seed[s] for s in seeds],
+                 **mean_std([per_seed[s] for s in seeds])}
+        if name != baseline:
+            gap = paired_gap(finals.get(baseline, {}), per_seed)
+            entry["gap_vs_baseline_pct"] = {"mean": gap["mean"], "ci95": gap["ci95"],
+                                            "paired_seeds": gap["seeds"],
+                                            "differences": gap["differences"]}
+            entry["verdict"] = gap["verdict"]
+        schemes[name] = entry
+    return schemes
+
+
+def _fmt(value: Optional[float], digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def table_rows(study: dict) -> List[List[str]]:
+    """[scheme, seeds, final val loss mean +- std, gap % with 95% interval, verdict]."""
+    rows = []
+    for name, entry in study["schemes"].items():
+        loss = f"{_fmt(entry['mean'])} ± {_fmt(entry['std'])}"
+        gap = entry.get("gap_vs_baseline_pct")
+        if gap is None:
+            gap_text, verdict = "(baseline)", "—"
+        else:
+            ci = gap["ci95"]
+            gap_text = (f"{gap['mean']:+.2f}%" if gap["mean"] is not None else "n/a") + (
+                f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
+            verdict = entry["verdict"]
+        rows.append([name, str(len(entry["seeds"])), loss, gap_text, verdict])
+    return rows
+
+
+HEADER = ["scheme", "seeds", "final val loss (mean ± std)", "gap vs baseline (95% CI)", "verdict"]
+
+
+def markdown_table(study: dict) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(study)]
+    return "\n".join(lines)
+
+
+def describe_budget(study: dict) -> str:
+    b = study["budget"]
+    return (f"{b['model']}, {b['train_iters']} iterations x {b['tokens'] // max(1, b['train_iters']):,}"
+            f" tokens = {b['tokens']:,} tokens per run, tokenizer {b['tokenizer']}")
+
+
+def noise_note(study: dict) -> str:
+    base = study["schemes"].get(study["baseline"], {})
+    if base.get("std") is None or not base.get("mean"):
+        return "The baseline has fewer than two finished seeds: no noise floor."
+    return (f"Noise floor: the baseline's seed-to-seed spread is {base['std']:.4f} "
+            f"({100 * base['std'] / base['mean']:.2f}% of its mean loss); gaps are paired by "
+            "seed (same initialisation and data order), which removes most of it.")
+
+
+def html_section(study: dict, figure: Optional[str]) -> str:
+    """A self-contained HTML section: budget, noise floor, table and the curves figure."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADER)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                   for row in table_rows(study))
+    img = f'<img src="{html.escape(figure)}" alt="loss curves" style="max-width:100%">' \
+        if figure else ""
+    return (f"<section id=\"study\"><h2>Scheme study</h2>"
+            f"<p>{html.escape(describe_budget(study))}; baseline {html.escape(study['baseline'])}."
+            f"</p><p>{html.escape(noise_note(study))}</p>"
+            f"<table><tr>{head}</tr>{body}</table>{img}</section>")
+
+
+def plot_curves(panels: Dict[str, Dict[str, Dict[int, Dict[int, float]]]], out_png: str,
+                title: str = "") -> str:
+    """One panel per entry of `panels` ({panel title: curves}), each drawing loss against
+    iteration per scheme: the mean over seeds with a band from the lowest to the highest
+    seed. Curves are {scheme: {seed: {iteration: loss}}}; iterations that not every seed of
+    a scheme has are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.5), squeeze=False)
+    for ax, (panel, curves) in zip(axes[0], panels.items()):
+        for i, (scheme, by_seed) in enumerate(curves.items()):
+            common = sorted(set.intersection(*(set(c) for c in by_seed.values()))) \
+                if by_seed else []
+            if not common:
+                continue
+            values = [[by_seed[s][it] for s in by_seed] for it in common]
+            color = f"C{i % 10}"
+            ax.plot(common, [sum(v) / len(v) for v in values], color=color, linewidth=1.5,
+                    label=f"{scheme} ({len(by_seed)} seeds)")
+            ax.fill_between(common, [min(v) for v in values], [max(v) for v in values],
+                            color=color, alpha=0.18, linewidth=0)
+        ax.set_xlabel("iteration", fontsize=10)
+        ax.set_ylabel(panel, fontsize=10)
+        ax.set_title(f"{panel}: mean over seeds, band = min..max", fontsize=11)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=12)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
