@@ -9,11 +9,15 @@ STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install data data-dolma demo test bench clean help
+STUDY_DIR ?= runs/study
+
+.PHONY: install data data-dolma data-bpe demo study test bench clean help
 
 help:
 	@echo "make demo        train llama-tiny on the embedded Wikipedia data (CPU) and write a report"
 	@echo "make test        run all tests"
+	@echo "make study       the default CPU scheme study: 7 arms x 3 seeds (about 40 min) -> $(STUDY_DIR)"
+	@echo "make data-bpe    the wikipedia data re-tokenized with an 8k BPE trained on it"
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
 	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis, attention)"
@@ -35,8 +39,14 @@ data: install
 data-dolma: install
 	$(PY) tools/build_corpus.py --dataset dolma --data-root $(DATA_ROOT)
 
+data-bpe: install
+	$(PY) tools/train_tokenizer.py --dataset wikipedia --vocab-size 8192 --data-root $(DATA_ROOT)
+
 demo: install
 	$(PY) tools/demo.py --data-root $(DATA_ROOT)
+
+study: install
+	$(PY) tools/study.py --data-root $(DATA_ROOT) --output-dir $(STUDY_DIR)
 
 test: install
 	$(PY) -m pytest -q tests
