@@ -81,8 +81,8 @@ def manifest_problems(directory: str) -> list:
     return problems
 
 
-def analysis_reports_unfinished(root: str, directory: str, out: str):
-    """(ok, note): the analysis ran without an exception and, when the run had opened its
+def analysis_reports_unfinished(root: str, directory: str, out: str, killed: bool):
+    """(ok, note): the analysis ran without an exception and, when a killed run had opened its
     manifest, reported the run as unfinished."""
     try:
         result = analyze(Options(tensor_dirs=[root], output_dir=out, workers=1,
@@ -93,7 +93,7 @@ def analysis_reports_unfinished(root: str, directory: str, out: str):
     records = (result.statistics or {}).get("timing", {}).get("records", 0)
     note = f"{records} records analysed, problems: {', '.join(sorted(kinds)) or 'none'}"
     capturing = os.path.isdir(directory) and capture_format.manifest_files(directory)
-    return ("unfinished_run" in kinds) if capturing else True, note
+    return ("unfinished_run" in kinds) if capturing and killed else True, note
 
 
 def run_once(root: str, log_path: str, delay_from_start, started_delay):
@@ -151,13 +151,19 @@ def main(argv=None) -> int:
             if started is not None and startup is None:
                 startup = started
             during = started is not None and code == -signal.SIGKILL
+            if code != -signal.SIGKILL:       # the run ended by itself: say how
+                with open(os.path.join(root, "train.log")) as f:
+                    last = (f.read().strip().splitlines() or [""])[-1]
+                print(f"run {run + 1:3d}: exited by itself with code {code} before the kill: "
+                      f"{last}", flush=True)
             directory = os.path.join(root, SCHEME)
             problems = manifest_problems(directory) if os.path.isdir(directory) else []
             lines = sum(capture_format.count_complete(m)[0]
                         for m in capture_format.manifest_files(directory)) \
                 if os.path.isdir(directory) else 0
+            killed = code == -signal.SIGKILL
             ok, note = analysis_reports_unfinished(root, directory,
-                                                   os.path.join(root, "analysis"))
+                                                   os.path.join(root, "analysis"), killed)
             counts["runs"] += 1
             counts["kills during training"] += int(during)
             counts["manifests valid"] += int(not problems)

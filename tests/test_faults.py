@@ -205,7 +205,7 @@ def assert_valid_capture(directory):
                 assert os.path.getsize(path) == entry["bytes"]
                 load_record(path)
             entries.append(entry)
-    assert not [n for n in os.listdir(directory) if n.endswith(".tmp") and "summary" not in n]
+    assert not [n for n in os.listdir(directory) if n.endswith(".tmp")]
     return entries
 
 

@@ -114,14 +114,14 @@ class ReservedFile:
     """A small file whose disk space is claimed now and which is written (and renamed into
     place) later, even if the disk is full by then.
 
-    The reservation is the temporary file filled with `size` spaces; `write` overwrites it in
-    place, which needs no new blocks, truncates it to the text and renames it. A text longer
-    than the reservation is still written (then it needs free space).
+    The reservation is the hidden file `.name.reserved` filled with `size` spaces; `write`
+    overwrites it in place, which needs no new blocks, truncates it to the text and renames
+    it. A text longer than the reservation is still written (then it needs free space).
     """
 
     def __init__(self, path: str, size: int = 64 << 10):
         self.path = path
-        self.tmp = hidden_temporary(path)
+        self.tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.reserved")
         try:
             with open(self.tmp, "wb") as f:
                 f.write(b" " * size)
