@@ -38,6 +38,7 @@ from megatron.tensor_capture.records import (
 from megatron.tensor_capture.diskio import ReservedFile, describe_error, free_bytes
 from megatron.tensor_capture.estimate import estimate_bytes, site_shapes
 from megatron.tensor_capture.progress import human_bytes
+from megatron.tensor_capture.routing import RuleRouter
 from megatron.tensor_capture.writer import CaptureWriter
 
 def _mb(nbytes: float) -> str:
@@ -104,7 +105,6 @@ class TensorCaptureCallback:
     def __init__(self, config: CaptureConfig, run_info: Optional[dict] = None):
         self.config = config
         self.run_info = dict(run_info or {})
-        self.full = config.full
         self.continue_on_error = config.continue_on_error
         self.directory = config.directory
         self.policy: Optional[CapturePolicy] = None
@@ -131,8 +131,8 @@ class TensorCaptureCallback:
         self.ranks = _parallel_ranks()
         self.policy = CapturePolicy(
             control_iter=config.control_iter, micro_batches=config.micro_batches,
-            layers=config.layers, kinds=config.kinds, name_filter=config.name_filter,
-            start_iteration=iteration)
+            layers=config.layers, name_filter=config.name_filter, start_iteration=iteration,
+            rules=config.rules)
         self.run_id, error = self._agree_on_run_id()
         if error is None:
             error = self._open_writer()
@@ -144,18 +144,34 @@ class TensorCaptureCallback:
                              rank=self.ranks["rank"], tp_rank=self.ranks["tp_rank"],
                              pp_rank=self.ranks["pp_rank"], dp_rank=self.ranks["dp_rank"],
                              world_size=self.ranks["world_size"])
-        self.recorder = Recorder(context=context, submit=self.writer.submit, full=self.full,
-                                 pool=HostBufferPool(self.writer.max_bytes))
-        self.observer = CaptureObserver(self.policy, self.recorder,
+        router = RuleRouter(self.policy, self.writer.submit)
+        self.recorder = router.recorder = Recorder(
+            context=context, submit=router.submit, pool=HostBufferPool(self.writer.max_bytes))
+        self.observer = CaptureObserver(self.policy, router,
                                         collect_sites(model_chunks, self.ranks["ep_rank"]),
                                         on_error=self._on_capture_exception)
-        last = self.policy.last_iteration
-        which = f"iterations {iteration + 1}..{last}" if last else "every iteration"
         micro = min(config.micro_batches, config.num_micro_batches)
-        self._log(f"capturing {which}, micro-batches 0..{micro - 1}, "
-                  f"mode {config.mode} -> {self.directory} (run {self.run_id}); "
-                  f"tensors: {self.policy.kinds.describe()}")
+        self._log(f"capturing {self._iterations_text(iteration)}, micro-batches "
+                  f"0..{micro - 1}, mode {config.mode} -> {self.directory} (run "
+                  f"{self.run_id}); rules: {self.policy.describe()}")
+        missed = self.policy.unreachable()
+        if missed:
+            self._log(f"note: iterations {', '.join(map(str, sorted(missed)))} are not after "
+                      f"the resumed iteration {iteration}, so they are not captured")
         self._warn_if_disk_too_small(model_chunks, iteration)
+
+    def _iterations_text(self, iteration: int) -> str:
+        config, last = self.config, self.policy.last_iteration
+        parts = []
+        if config.control_iter == 0:
+            parts.append("every iteration")
+        elif last is not None:
+            parts.append(f"iterations {iteration + 1}..{last} (then the run ends)")
+        schedules = {r.schedule.describe() for r in self.policy.rules
+                     if r.mode != "off" and not r.schedule.empty}
+        if schedules:
+            parts.append(f"iterations {' / '.join(sorted(schedules))}")
+        return " and ".join(parts) or "no iteration"
 
     def _warn_if_disk_too_small(self, model_chunks, iteration: int) -> None:
         """One warning line when the estimated capture exceeds the free space. Ranks on one
@@ -163,11 +179,10 @@ class TensorCaptureCallback:
         config = self.config
         if int(os.environ.get("LOCAL_RANK", "0")) != 0:
             return
-        iterations = self.policy.iteration_count(iteration, config.train_iters)
-
         def plan(info, role, quantized):
-            return (config.mode, iterations) if self.policy.selects(info, role, quantized) \
-                else None
+            rule = self.policy.rule_for(info, role, quantized)
+            return None if rule is None else \
+                (rule.mode, self.policy.iteration_count(rule, config.train_iters))
 
         shapes = site_shapes(model_chunks, config.micro_batch_size, config.seq_length)
         micro = min(config.micro_batches, config.num_micro_batches)
@@ -187,6 +202,8 @@ class TensorCaptureCallback:
             capture_format.SCHEME_KEY: config.quant_scheme, "mode": config.mode,
             "control_iter": config.control_iter,
             "collect_micro_batches": config.micro_batches,
+            "config_file": config.config_file,
+            "rules": [rule.to_json() for rule in config.rules],
             "world_size": self.ranks["world_size"], "args": self.run_info.get("args", {}),
             "quant_config": self.run_info.get("quant_config", ""), "start_time": _now(),
         }

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import FrozenSet, Optional, Pattern
+from typing import FrozenSet, Optional, Pattern, Tuple
 
-from megatron.tensor_capture.policy import KindSelection, parse_kinds
+from megatron.tensor_capture.policy import CaptureRule
 
 MODES = ("full", "stats")
 
@@ -21,11 +21,14 @@ class CaptureConfig:
 
     root: str                                 # --tensor-save-dir
     quant_scheme: str                         # records go to root/<quant_scheme>/
-    mode: str = "full"                        # full: tensor files; stats: manifest only
-    control_iter: int = 1                     # iterations captured from the run's start; 0 = all
+    # Which records, in which mode, at which iterations (the first rule selecting a record
+    # decides); from --tensor-save-config and the flags that override it.
+    rules: Tuple[CaptureRule, ...] = (CaptureRule(),)
+    # --control-iter: capture iterations S+1..S+N of a run resumed at S and end the run after
+    # them; 0 = every iteration, no stop; None = neither (a schedule alone).
+    control_iter: Optional[int] = 1
     micro_batches: int = 1                    # first M micro-batches of a captured iteration
     layers: Optional[FrozenSet[int]] = None   # None = every layer; 0 = the output layer
-    kinds: KindSelection = parse_kinds(None)
     name_filter: Optional[Pattern] = None
     continue_on_error: bool = False
     queue_records: int = 256
@@ -37,15 +40,24 @@ class CaptureConfig:
     micro_batch_size: int = 1
     seq_length: int = 0
     element_bytes: int = 4                    # bytes per element of the training dtype
+    config_file: Optional[str] = None         # --tensor-save-config, for the run file
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"capture mode {self.mode!r} is invalid; valid: {', '.join(MODES)}")
+        for rule in self.rules:
+            if rule.mode not in MODES + ("off",):
+                raise ValueError(f"capture mode {rule.mode!r} is invalid; valid: "
+                                 f"{', '.join(MODES)}, off")
 
     @property
     def directory(self) -> str:
         return os.path.join(self.root, self.quant_scheme)
 
     @property
-    def full(self) -> bool:
-        return self.mode == "full"
+    def mode(self) -> str:
+        return rules_mode(self.rules)
+
+
+def rules_mode(rules) -> str:
+    """full or stats, `mixed` when rules use both, `off` when no rule captures."""
+    modes = {rule.mode for rule in rules} - {"off"}
+    return modes.pop() if len(modes) == 1 else ("mixed" if modes else "off")

@@ -139,6 +139,13 @@ def claim_run_id(directory: str, base: str,
 
 # Manifest fields holding statistics, whose non-finite floats are written as strings.
 STATS_FIELDS = ("tensor_info", "quant_error")
+# Statistics a capture rule can choose (`stats:` of --tensor-save-config); the others of
+# tensor_info describe the tensor and are always written.
+TENSOR_METRICS = ("min", "max", "mean", "std", "absmax", "zero_fraction", "nan_count",
+                  "inf_count")
+ERROR_METRICS = ("mse", "sqnr_db", "relative_error", "flushed_fraction", "saturated_fraction",
+                 "nonfinite_fraction", "scale_exponent_hist", "nan_blocks", "hifp8_regions")
+METRICS = TENSOR_METRICS + ERROR_METRICS
 
 
 def record_dict(tensor, tensor_info: dict, metadata: dict, quantized=None,
@@ -157,6 +164,16 @@ def manifest_entry(file_name: Optional[str], nbytes: int, metadata: dict, tensor
     """One manifest line: the record's file (None in stats mode) and everything but tensors."""
     return {"format_version": FORMAT_VERSION, "file": file_name, "bytes": nbytes,
             "metadata": metadata, "tensor_info": tensor_info, "quant_error": quant_error}
+
+
+def keep_metrics(entry: dict, metrics) -> dict:
+    """`entry` with only the chosen METRICS (and the always-written tensor description)."""
+    keep = set(metrics)
+    for key in STATS_FIELDS:
+        stats = entry.get(key)
+        if stats is not None:
+            entry[key] = {k: v for k, v in stats.items() if k not in METRICS or k in keep}
+    return entry
 
 
 # ---------------------------------------------------------------------------------------------

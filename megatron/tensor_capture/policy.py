@@ -73,8 +73,10 @@ def _select(component: str, selector: str):
     return None
 
 
-def parse_kinds(items: Optional[Iterable[str]]) -> KindSelection:
+def parse_kinds(items: Optional[Iterable[str]],
+                source: str = "--tensor-save-kinds") -> KindSelection:
     """--tensor-save-kinds: tokens `[component.]selector`, comma- or space-separated.
+    `source` names where the tokens come from in error messages.
 
     `attention` alone means `attention.default`; a selector without component applies to
     every component that has it (`output`, `grad_output`, `forward`, ...).
@@ -94,7 +96,7 @@ def parse_kinds(items: Optional[Iterable[str]]) -> KindSelection:
             component, selector = selector, "default"
         components = [component] if component else list(COMPONENTS)
         if component and component not in COMPONENTS:
-            raise ValueError(f"--tensor-save-kinds {raw!r}: unknown component {component!r}; "
+            raise ValueError(f"{source} {raw!r}: unknown component {component!r}; "
                              f"valid: {_valid_kinds_text()}")
         matched = False
         for c in components:
@@ -104,7 +106,7 @@ def parse_kinds(items: Optional[Iterable[str]]) -> KindSelection:
                 names |= selected[0]
                 quantized |= selected[1]
         if not matched:
-            raise ValueError(f"--tensor-save-kinds {raw!r}: unknown kind; valid: "
+            raise ValueError(f"{source} {raw!r}: unknown kind; valid: "
                              f"{_valid_kinds_text()}")
     return KindSelection(frozenset(names), frozenset(quantized))
 
@@ -131,34 +133,149 @@ def parse_filter(pattern: Optional[str]) -> Optional[Pattern]:
                          f"({exc})") from None
 
 
+# The modules whose GEMMs are captured, by the last element of their module path (routed and
+# shared experts end in linear_fc1 / linear_fc2 too). `modules:` of a capture rule names these.
+MODULE_NAMES = (
+    "linear_qkv", "linear_q", "linear_kv", "linear_proj", "linear_fc1", "linear_fc2",
+    "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+    "linear_kv_up_proj", "core_attention", "output_layer",
+)
+RULE_MODES = ("full", "stats", "off")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Global iterations (1-based, as in the training log): an explicit set and/or every
+    `interval`-th iteration."""
+
+    iterations: FrozenSet[int] = frozenset()
+    interval: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.iterations and not self.interval
+
+    def contains(self, iteration: int) -> bool:
+        return iteration in self.iterations or \
+            (self.interval > 0 and iteration % self.interval == 0)
+
+    def count(self, first: int, last: int) -> int:
+        """How many of the iterations first..last it contains."""
+        if last < first:
+            return 0
+        multiples = last // self.interval - (first - 1) // self.interval if self.interval else 0
+        return multiples + sum(1 for i in self.iterations
+                               if first <= i <= last and not (self.interval and
+                                                              i % self.interval == 0))
+
+    def describe(self) -> str:
+        parts = [", ".join(map(str, sorted(self.iterations)))] if self.iterations else []
+        if self.interval:
+            parts.append(f"every {self.interval}")
+        return "; ".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class CaptureRule:
+    """Which records a rule selects (module-path regex, module names, tensor kinds) and what
+    happens to them: mode full / stats / off, at which iterations, which statistics the
+    manifest keeps (None = all). The first rule that selects a record decides for it."""
+
+    name: str = "all"
+    layers: Optional[Pattern] = None          # re.search on the module path
+    modules: Optional[FrozenSet[str]] = None  # last element of the module path
+    kinds: KindSelection = parse_kinds(None)
+    mode: str = "full"
+    schedule: Schedule = Schedule()
+    stats: Optional[FrozenSet[str]] = None
+
+    def selects(self, info, role: Role, quantized: bool) -> bool:
+        if self.layers is not None and self.layers.search(info.module_path) is None:
+            return False
+        if self.modules is not None and \
+                info.module_path.rsplit(".", 1)[-1] not in self.modules:
+            return False
+        return self.kinds.wants(info.component, role, quantized)
+
+    def describe(self) -> str:
+        parts = [f"{self.name}: mode {self.mode}"]
+        if self.layers is not None:
+            parts.append(f"layers /{self.layers.pattern}/")
+        if self.modules is not None:
+            parts.append(f"modules {', '.join(sorted(self.modules))}")
+        parts.append(f"tensors ({self.kinds.describe()})")
+        if not self.schedule.empty:
+            parts.append(f"iterations {self.schedule.describe()}")
+        return ", ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "mode": self.mode,
+                "layers": self.layers.pattern if self.layers is not None else None,
+                "modules": sorted(self.modules) if self.modules is not None else None,
+                "kinds": self.kinds.describe(),
+                "iterations": sorted(self.schedule.iterations),
+                "interval": self.schedule.interval,
+                "stats": sorted(self.stats) if self.stats is not None else None}
+
+
 @dataclass
 class CapturePolicy:
-    """Which iterations, micro-batches, layers and records are captured.
+    """Which iterations, micro-batches, layers and records are captured, and in which mode.
 
-    `control_iter` counts iterations of this run: with a run resumed at iteration S, iterations
-    S+1..S+N are captured (the first N of the run); 0 captures every iteration.
+    A record is captured at iteration i when the first rule that selects it has a mode other
+    than off and i is in that rule's schedule or in the --control-iter window: iterations
+    S+1..S+N of a run resumed at S (the first N of the run; 0 = every iteration; None = no
+    window). `layers` (--tensor-save-layers) and `name_filter` (--tensor-save-filter) narrow
+    every rule. Without rules, one rule captures the selected `kinds` in full mode.
     """
 
-    control_iter: int = 1
+    control_iter: Optional[int] = 1
     micro_batches: int = 1
     layers: Optional[FrozenSet[int]] = None
     kinds: KindSelection = parse_kinds(None)
     name_filter: Optional[Pattern] = None
     start_iteration: int = 0
+    rules: Tuple[CaptureRule, ...] = ()
+
+    def __post_init__(self):
+        if not self.rules:
+            self.rules = (CaptureRule(kinds=self.kinds),)
+        self._active = tuple(r for r in self.rules if r.mode != "off")
+        self._rule_of = {}
+
+    # -- iterations ------------------------------------------------------------------------
+
+    def in_window(self, iteration: int) -> bool:
+        """Within the --control-iter window of this run."""
+        if self.control_iter is None or iteration <= self.start_iteration:
+            return False
+        return self.control_iter == 0 or iteration <= self.start_iteration + self.control_iter
 
     def captures_iteration(self, iteration: int) -> bool:
-        if self.control_iter == 0:
-            return iteration > self.start_iteration
-        return self.start_iteration < iteration <= self.start_iteration + self.control_iter
+        if iteration <= self.start_iteration or not self._active:
+            return False
+        return self.in_window(iteration) or \
+            any(r.schedule.contains(iteration) for r in self._active)
 
     @property
     def last_iteration(self) -> Optional[int]:
-        return None if self.control_iter == 0 else self.start_iteration + self.control_iter
+        """The iteration after which --control-iter ends the run (None: it does not)."""
+        return self.start_iteration + self.control_iter if self.control_iter else None
 
-    def iteration_count(self, start: int, end: int) -> int:
-        """How many of the iterations start+1..end are captured."""
-        stop = end if self.control_iter == 0 else min(end, self.last_iteration)
-        return max(0, stop - start)
+    def iteration_count(self, rule: CaptureRule, end: int) -> int:
+        """How many of the iterations S+1..end `rule` captures."""
+        start = self.start_iteration
+        if self.control_iter == 0:
+            return max(0, end - start)
+        window = min(end, start + (self.control_iter or 0))
+        return max(0, window - start) + rule.schedule.count(max(window, start) + 1, end)
+
+    def unreachable(self) -> FrozenSet[int]:
+        """Scheduled iterations at or before the start of a resumed run (never reached)."""
+        return frozenset(i for r in self._active for i in r.schedule.iterations
+                         if i <= self.start_iteration)
+
+    # -- records ---------------------------------------------------------------------------
 
     def captures_micro_batch(self, micro_batch: int) -> bool:
         return micro_batch < self.micro_batches
@@ -170,10 +287,28 @@ class CapturePolicy:
         return self.name_filter is None or self.name_filter.search(name) is not None
 
     def captures_role(self, component: str, role: Role, quantized: bool) -> bool:
-        return self.kinds.wants(component, role, quantized)
+        """Whether any rule may want this tensor (the rule decides per record: rule_at)."""
+        return any(r.kinds.wants(component, role, quantized) for r in self._active)
 
-    def selects(self, info, role: Role, quantized: bool) -> bool:
-        """Whether a record of site `info` (a records.SiteInfo) in `role` is captured."""
-        return (self.captures_layer(info.layer) and
-                self.captures_role(info.component, role, quantized) and
-                self.captures_name(info.record_name(role)))
+    def rule_for(self, info, role: Role, quantized: bool) -> Optional[CaptureRule]:
+        """The rule deciding a record of site `info` (a records.SiteInfo) in `role`, or None
+        when the record is not captured at any iteration."""
+        key = (info.site_name, role.tensor_name, quantized)
+        if key not in self._rule_of:
+            rule = None
+            if self.captures_layer(info.layer) and \
+                    self.captures_name(info.record_name(role)):
+                rule = next((r for r in self.rules if r.selects(info, role, quantized)), None)
+            self._rule_of[key] = rule if rule is not None and rule.mode != "off" else None
+        return self._rule_of[key]
+
+    def rule_at(self, iteration: int, info, role: Role,
+                quantized: bool) -> Optional[CaptureRule]:
+        """The rule capturing this record at `iteration`, or None when it is not captured."""
+        rule = self.rule_for(info, role, quantized)
+        if rule is None or not (self.in_window(iteration) or rule.schedule.contains(iteration)):
+            return None
+        return rule
+
+    def describe(self) -> str:
+        return " | ".join(r.describe() for r in self.rules)

@@ -30,7 +30,7 @@ import torch
 from megatron.tensor_capture.diskio import (
     append_line, describe_error, hidden_temporary, is_no_space, open_for_append,
     remove_quietly)
-from megatron.tensor_capture.format import json_line
+from megatron.tensor_capture.format import json_line, keep_metrics
 from megatron.tensor_capture.records import CaptureItem
 
 
@@ -64,8 +64,9 @@ class CaptureWriter:
 
     # -- producer side -------------------------------------------------------------------
 
-    def submit(self, item: CaptureItem) -> bool:
-        """Queue `item`; waits while the queue is full. False if the item was dropped."""
+    def submit(self, item: CaptureItem, metrics=None) -> bool:
+        """Queue `item`; waits while the queue is full. False if the item was dropped.
+        `metrics`: the statistics its manifest line keeps (format.keep_metrics; None = all)."""
         size = item.nbytes
         with self._cond:
             if self.error is not None or self._closed:
@@ -79,7 +80,7 @@ class CaptureWriter:
                 if self.error is not None:
                     self.dropped += 1
                     return False
-            self._queue.append(item)
+            self._queue.append((item, metrics))
             self._queued_bytes += size
             self._cond.notify_all()
         return True
@@ -135,13 +136,13 @@ class CaptureWriter:
                     self._cond.wait()
                 if not self._queue:
                     return
-                item = self._queue.popleft()
+                item, metrics = self._queue.popleft()
                 self._busy = True
             size = item.nbytes
             start = time.perf_counter()
             try:
                 if self.error is None:
-                    self._write(item)
+                    self._write(item, metrics)
                 else:
                     self.dropped += 1
             except BaseException as exc:  # noqa: BLE001 - any failure stops capture cleanly
@@ -160,14 +161,17 @@ class CaptureWriter:
                         self._queued_bytes = 0
                     self._cond.notify_all()
 
-    def _write(self, item: CaptureItem) -> None:
+    def _write(self, item: CaptureItem, metrics=None) -> None:
         item.finish_stats()
         item.metadata["save_time"] = datetime.now().astimezone().isoformat(timespec="milliseconds")
         file_name, nbytes, path = item.file_name, 0, None
         if file_name is not None:          # full mode: a record file; stats mode: none
             path = os.path.join(self.directory, file_name)
             nbytes = self._write_record(item, path)
-        line = json_line(item.manifest_entry(file_name, nbytes)).encode("utf-8")
+        entry = item.manifest_entry(file_name, nbytes)
+        if metrics is not None:
+            entry = keep_metrics(entry, metrics)
+        line = json_line(entry).encode("utf-8")
         try:
             append_line(self._manifest, line)
         except BaseException:

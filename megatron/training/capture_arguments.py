@@ -3,15 +3,26 @@
 
 `TENSOR_SAVE_ENABLED` and `TENSOR_SAVE_DIR` in the environment seed the defaults of
 `--save-tensors` and `--tensor-save-dir`; flags given on the command line win.
+
+Which records are captured when comes from `--tensor-save-config FILE` (capture rules) and
+the flags, an explicit flag overriding the file: `--tensor-save-mode` (rules that are not
+`off`), `--tensor-save-kinds`, `--collect-micro-batches`, and the schedule flags
+`--tensor-save-iters` / `--tensor-save-interval` / `--control-iter` (every rule's iterations).
+Without any schedule a run captures its first iteration and ends (`--control-iter 1`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+from dataclasses import replace
+from typing import FrozenSet, Optional
 
-from megatron.tensor_capture.config import MODES, CaptureConfig
-from megatron.tensor_capture.policy import GROUPS, parse_filter, parse_kinds, parse_layers
+from megatron.tensor_capture.capture_file import read_capture_file
+from megatron.tensor_capture.config import MODES, CaptureConfig, rules_mode
+from megatron.tensor_capture.policy import (
+    GROUPS, CaptureRule, Schedule, parse_filter, parse_kinds, parse_layers)
 from megatron.training.checkpoint_arguments import add_checkpoint_load_args
 from megatron.training.errors import ConfigError
 
@@ -32,13 +43,27 @@ def add_tensor_args(parser):
     group.add_argument("--tensor-save-dir", type=str, default=None, metavar="DIR",
                        help="Directory for captures; records go to DIR/<quant scheme>/. "
                             f"Default: ${ENV_DIR} if set, else {DEFAULT_DIR}.")
-    group.add_argument("--control-iter", type=int, default=1, metavar="N",
+    group.add_argument("--control-iter", type=int, default=None, metavar="N",
                        help="Capture the first N iterations of the run, then end it cleanly "
                             "(exit code 0, after saving if --save). 0 = capture every "
-                            "iteration and do not stop early.")
-    group.add_argument("--collect-micro-batches", type=int, default=1, metavar="M",
+                            "iteration and do not stop early. Default: 1 when no schedule "
+                            "(--tensor-save-iters, --tensor-save-interval, a config file) is "
+                            "given; with a schedule the run is not stopped by capture.")
+    group.add_argument("--tensor-save-iters", nargs="+", default=None, metavar="ITER",
+                       help="Capture these global iterations (1-based, as in the training log; "
+                            "after --load too, e.g. 1000 when resuming from 990), comma- or "
+                            "space-separated. Overrides the config file's iterations.")
+    group.add_argument("--tensor-save-interval", type=str, default=None, metavar="N",
+                       help="Capture every N-th global iteration (N, 2N, ...). Overrides the "
+                            "config file's intervals.")
+    group.add_argument("--tensor-save-config", type=str, default=None, metavar="FILE",
+                       help="YAML or JSON capture rules: per module regex / module names / "
+                            "tensor kinds, the mode (full, stats, off), iterations and kept "
+                            "statistics (docs/capture-format.md). Flags given explicitly "
+                            "override it.")
+    group.add_argument("--collect-micro-batches", type=int, default=None, metavar="M",
                        help="Number of micro-batches captured in each captured iteration (the "
-                            "first M; default 1).")
+                            "first M; default: the config file's micro_batches, else 1).")
     group.add_argument("--tensor-save-layers", nargs="+", default=None, metavar="LAYER",
                        help="Capture only these layers: 1-based transformer layer numbers, "
                             "ranges like 2-4, negative numbers from the last layer, 0 for the "
@@ -53,12 +78,13 @@ def add_tensor_args(parser):
                             f"{', '.join(GROUPS)}. Default: 'default' = attention q/k/v/output "
                             "and their gradients, linear input/weight/output, grad_output and "
                             "grad_input, plus every operand a quantized GEMM uses.")
-    group.add_argument("--tensor-save-mode", type=str, default="full",
+    group.add_argument("--tensor-save-mode", type=str, default=None,
                        metavar="{full,stats}",
                        help="full (default): write each tensor, its quantized version and "
                             "statistics to a .pt file; stats: no tensor data, only the "
                             "statistics in the manifest (cheap enough for every iteration with "
-                            "--control-iter 0).")
+                            "--control-iter 0). Overrides the config file's modes (rules "
+                            "with mode off stay off).")
     group.add_argument("--tensor-save-continue-on-error", action="store_true",
                        help="When capture fails (full disk, unwritable directory), stop "
                             "capturing and keep training instead of ending the run with an "
@@ -97,13 +123,13 @@ def validate_tensor_args(args) -> None:
         args.tensor_save_dir = os.environ.get(ENV_DIR) or DEFAULT_DIR
     if not str(args.tensor_save_dir).strip():
         raise ConfigError("--tensor-save-dir is empty; give a directory path")
-    if args.control_iter < 0:
+    if args.control_iter is not None and args.control_iter < 0:
         raise ConfigError(f"--control-iter {args.control_iter} is invalid; valid: 0 (capture "
                           "every iteration, no early stop) or a positive number of iterations")
-    if args.collect_micro_batches < 1:
+    if args.collect_micro_batches is not None and args.collect_micro_batches < 1:
         raise ConfigError(f"--collect-micro-batches {args.collect_micro_batches} is invalid; "
                           "valid: a positive number of micro-batches")
-    if args.tensor_save_mode not in MODES:
+    if args.tensor_save_mode is not None and args.tensor_save_mode not in MODES:
         raise ConfigError(f"--tensor-save-mode {args.tensor_save_mode!r} is invalid; valid: "
                           f"{', '.join(MODES)}")
     if args.tensor_save_queue_size < 1:
@@ -119,18 +145,76 @@ def validate_tensor_args(args) -> None:
         layers = parse_layers(args.tensor_save_layers, args.num_layers)
         kinds = parse_kinds(args.tensor_save_kinds)
         name_filter = parse_filter(args.tensor_save_filter)
+        iterations = parse_iterations(args.tensor_save_iters, args.train_iters)
+        interval = parse_interval(args.tensor_save_interval, args.train_iters)
+        capture_file = read_capture_file(args.tensor_save_config, args.train_iters) \
+            if args.tensor_save_config else None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    flag_schedule = bool(iterations) or bool(interval)
+    if args.tensor_save_iters is not None:
+        args.tensor_save_iters = sorted(iterations)
+    if args.tensor_save_interval is not None:
+        args.tensor_save_interval = interval
+    overrides = {}
+    if args.tensor_save_kinds is not None:
+        overrides["kinds"] = kinds
+    if flag_schedule or args.control_iter is not None:
+        overrides["schedule"] = Schedule(iterations, interval)
+    if args.control_iter is None and not flag_schedule and \
+            not (capture_file is not None and capture_file.has_schedule):
+        args.control_iter = 1          # no schedule at all: the first iteration, then stop
+    if args.tensor_save_mode is not None:
+        overrides["mode"] = args.tensor_save_mode
+    rules = capture_file.rules if capture_file is not None else (CaptureRule(name="flags"),)
+    # An explicit mode does not switch on what a rule turned off.
+    rules = tuple(replace(rule, **{k: v for k, v in overrides.items()
+                                   if k != "mode" or rule.mode != "off"}) for rule in rules)
+    if args.collect_micro_batches is None:
+        args.collect_micro_batches = (capture_file.micro_batches if capture_file else None) or 1
+    if args.tensor_save_mode is None:
+        args.tensor_save_mode = rules_mode(rules)
     args.capture_config = None if not args.save_tensors else CaptureConfig(
-        root=args.tensor_save_dir, quant_scheme=args.quant_scheme, mode=args.tensor_save_mode,
+        root=args.tensor_save_dir, quant_scheme=args.quant_scheme, rules=rules,
         control_iter=args.control_iter, micro_batches=args.collect_micro_batches,
-        layers=layers, kinds=kinds, name_filter=name_filter,
+        layers=layers, name_filter=name_filter, config_file=args.tensor_save_config,
         continue_on_error=bool(args.tensor_save_continue_on_error),
         queue_records=args.tensor_save_queue_size,
         queue_bytes=int(args.tensor_save_queue_mb * 2 ** 20),
         drain_timeout=args.tensor_save_drain_timeout, train_iters=args.train_iters,
         num_micro_batches=args.num_micro_batches, micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length, element_bytes=2 if (args.bf16 or args.fp16) else 4)
+
+
+def _tokens(values):
+    return [t for value in values for t in re.split(r"[,\s]+", str(value)) if t]
+
+
+def _iteration(flag: str, token: str, train_iters: int, what: str = "iteration") -> int:
+    try:
+        value = int(token)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise ValueError(f"{flag} {token!r} is not a positive integer {what}; valid: "
+                         f"1..{train_iters} (1-based, as in the training log)")
+    if value > train_iters:
+        raise ValueError(f"{flag} {value} is beyond --train-iters {train_iters}; valid: "
+                         f"1..{train_iters}")
+    return value
+
+
+def parse_iterations(values, train_iters: int) -> FrozenSet[int]:
+    """--tensor-save-iters: global iterations within 1..--train-iters."""
+    return frozenset(_iteration("--tensor-save-iters", token, train_iters)
+                     for token in _tokens(values or []))
+
+
+def parse_interval(value: Optional[str], train_iters: int) -> int:
+    """--tensor-save-interval: 0 when not given."""
+    if value is None:
+        return 0
+    return _iteration("--tensor-save-interval", str(value).strip(), train_iters, "interval")
 
 
 # The flags recorded in each capture's run-{run_id}.json (provenance for the analysis).
@@ -143,7 +227,8 @@ RUN_ARGS = (
     "quant_backward", "mx_scale_mode", "mx_grad_format", "quant_skip_layers",
     "quant_output_layer", "bf16", "fp16", "seed", "lr", "train_iters", "tokenizer_type",
     "vocab_size", "padded_vocab_size", "mock_data", "data_path", "tensor_save_mode",
-    "tensor_save_layers", "tensor_save_filter", "tensor_save_kinds",
+    "tensor_save_layers", "tensor_save_filter", "tensor_save_kinds", "tensor_save_iters",
+    "tensor_save_interval", "tensor_save_config",
 )
 
 
