@@ -1,16 +1,23 @@
-"""Capture flags, selection policy, naming and the GEMM observer (no training run)."""
+"""Capture flags, selection policy, schedules, capture rule files, naming and the GEMM
+observer (no training run)."""
 
 import os
+import re
 
 import pytest
 import torch
 
+from megatron.quantization.formats import fake_quantize
 from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats, quantized_linear
 from megatron.quantization.observers import (
     GemmSite, observer_for, register_observer, unregister_observer)
 from megatron.tensor_capture import format as naming
 from megatron.tensor_capture.hooks import CaptureObserver
-from megatron.tensor_capture.policy import CapturePolicy, parse_kinds, parse_layers
+from megatron.tensor_capture.policy import (
+    CapturePolicy, CaptureRule, Schedule, parse_kinds, parse_layers)
+from megatron.tensor_capture.records import site_info
+from megatron.tensor_capture.roles import tensor_names
+from megatron.tensor_capture.stats import compute_stats
 from megatron.training.arguments import ConfigError, parse_args, validate_args
 
 from conftest import TINY_MOCK_ARGS
@@ -189,3 +196,176 @@ def test_unwritable_capture_directory_fails_before_training(tmp_path, monkeypatc
     validate_args(parse_args(ARGS + ["--save-tensors", "--quant-scheme", "bf16",
                                      "--tensor-save-dir", str(tmp_path / "new")]))
     assert (tmp_path / "new" / "bf16").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules and capture rules (--tensor-save-iters / --tensor-save-interval / --tensor-save-config)
+# ---------------------------------------------------------------------------------------------
+
+REPO_DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+QKV = site_info(GemmSite("decoder.layers.0.self_attention.linear_qkv", "linear", 1,
+                         MatmulQuantConfig()))
+FC1 = site_info(GemmSite("decoder.layers.1.mlp.linear_fc1", "linear", 2, MatmulQuantConfig()))
+ATTN = site_info(GemmSite("decoder.layers.1.self_attention.core_attention.qk", "attn_qk", 2,
+                          MatmulQuantConfig()))
+LINEAR, ATTENTION = tensor_names("linear"), tensor_names("attention")
+
+
+def capture_args(extra, tmp_path=None, config=None, name="capture.yaml"):
+    extra = list(extra)
+    if config is not None:
+        path = tmp_path / name
+        path.write_text(config)
+        extra += ["--tensor-save-config", str(path)]
+    return validate_args(parse_args(ARGS + ["--save-tensors"] + extra), check_paths=False)
+
+
+def one_line_error(extra, tmp_path=None, config=None, name="capture.yaml"):
+    with pytest.raises(ConfigError) as caught:
+        capture_args(extra, tmp_path, config, name)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+class TestSchedule:
+    def test_defaults_capture_the_first_iteration_and_stop(self):
+        config = capture_args([]).capture_config
+        assert config.control_iter == 1 and config.rules[0].schedule.empty
+
+    def test_a_schedule_alone_does_not_stop_the_run(self):
+        args = capture_args(["--tensor-save-iters", "3,1", "--tensor-save-interval", "2"])
+        config = args.capture_config
+        assert config.control_iter is None and args.tensor_save_iters == [1, 3]
+        assert config.rules[0].schedule == Schedule(frozenset({1, 3}), 2)
+        policy = CapturePolicy(control_iter=None, rules=config.rules)
+        assert [i for i in range(1, 4) if policy.captures_iteration(i)] == [1, 2, 3]
+        assert policy.last_iteration is None
+        assert capture_args(["--tensor-save-iters", "2", "--control-iter", "1"]) \
+            .capture_config.control_iter == 1
+
+    @pytest.mark.parametrize("extra,message", [
+        (["--tensor-save-iters", "x"], r"^--tensor-save-iters 'x' is not a positive integer "
+                                       r"iteration; valid: 1\.\.3 \(1-based"),
+        (["--tensor-save-iters", "1", "0"], r"^--tensor-save-iters '0' is not a positive"),
+        (["--tensor-save-iters", "2.5"], r"^--tensor-save-iters '2\.5' is not a positive"),
+        (["--tensor-save-iters", "2", "7"], r"^--tensor-save-iters 7 is beyond --train-iters 3; "
+                                            r"valid: 1\.\.3$"),
+        (["--tensor-save-interval", "-2"], r"^--tensor-save-interval '-2' is not a positive "
+                                           r"integer interval"),
+        (["--tensor-save-interval", "4"], r"^--tensor-save-interval 4 is beyond --train-iters 3"),
+    ])
+    def test_bad_iterations(self, extra, message):
+        assert re.search(message, one_line_error(extra))
+
+    def test_global_iterations_after_a_resume(self):
+        rule = CaptureRule(schedule=Schedule(frozenset({5, 1000}), 0))
+        policy = CapturePolicy(control_iter=None, start_iteration=990, rules=(rule,))
+        assert [i for i in (5, 990, 999, 1000, 1001) if policy.captures_iteration(i)] == [1000]
+        assert policy.unreachable() == {5}
+        assert policy.rule_at(1000, QKV, LINEAR["input"], False) is rule
+        assert policy.rule_at(999, QKV, LINEAR["input"], False) is None
+        # The --control-iter window counts from the resumed iteration; schedules add to it.
+        both = CapturePolicy(control_iter=2, start_iteration=990, rules=(rule,))
+        assert [i for i in range(989, 1002) if both.captures_iteration(i)] == [991, 992, 1000]
+        assert both.iteration_count(rule, 1010) == 3 and both.last_iteration == 992
+
+    def test_schedule_counts(self):
+        schedule = Schedule(frozenset({3, 4, 7}), 4)
+        assert schedule.count(1, 12) == len({3, 4, 7, 8, 12}) and schedule.count(5, 6) == 0
+        every = CapturePolicy(control_iter=0, start_iteration=10)
+        assert every.iteration_count(every.rules[0], 15) == 5
+
+
+class TestCaptureFile:
+    def test_the_documented_example(self, tmp_path):
+        text = open(os.path.join(REPO_DOCS, "capture-format.md"), encoding="utf-8").read()
+        example = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
+        args = capture_args(["--train-iters", "2000"], tmp_path, example)
+        config = args.capture_config
+        attention, mlp, rest = config.rules
+        assert (config.mode, config.micro_batches, config.control_iter) == ("mixed", 2, None)
+        assert (attention.name, attention.mode, attention.schedule) == \
+            ("attention-full", "full", Schedule(frozenset({1000}), 0))
+        assert (mlp.mode, mlp.schedule) == ("stats", Schedule(frozenset({1, 10}), 500))
+        assert mlp.stats == {"absmax", "zero_fraction", "sqnr_db", "saturated_fraction",
+                             "scale_exponent_hist"}
+        assert rest.mode == "off"
+        policy = CapturePolicy(control_iter=None, rules=config.rules)
+        assert policy.rule_at(1000, ATTN, ATTENTION["query"], False) is attention
+        assert policy.rule_at(500, ATTN, ATTENTION["query"], False) is None
+        assert policy.rule_at(500, FC1, LINEAR["input"], False) is mlp
+        assert policy.rule_at(1000, FC1, LINEAR["weight"], False) is mlp
+        assert policy.rule_for(QKV, LINEAR["input"], False) is None     # rest: off
+        assert policy.rule_for(FC1, LINEAR["grad_weight"], False) is None
+
+    def test_flags_override_the_file(self, tmp_path):
+        config = "mode: full\niterations: [2]\nrules:\n  - modules: [linear_fc1]\n" \
+                 "  - mode: off\n"
+        args = capture_args(["--tensor-save-mode", "stats", "--tensor-save-iters", "3",
+                             "--tensor-save-kinds", "input"], tmp_path, config)
+        fc1, rest = args.capture_config.rules
+        assert (fc1.mode, rest.mode) == ("stats", "off")        # off stays off
+        assert fc1.schedule == rest.schedule == Schedule(frozenset({3}), 0)
+        assert fc1.kinds.names == {("linear", "input")} and not fc1.kinds.quantized
+        assert args.tensor_save_mode == "stats" and args.capture_config.control_iter is None
+        assert capture_args(["--collect-micro-batches", "3"], tmp_path,
+                            "micro_batches: 2\n").capture_config.micro_batches == 3
+
+    def test_json_files(self, tmp_path):
+        config = '{"mode": "stats", "interval": 1, "stats": ["absmax"]}'
+        rule, = capture_args([], tmp_path, config, "capture.json").capture_config.rules
+        assert (rule.mode, rule.schedule.interval, rule.stats) == ("stats", 1, {"absmax"})
+
+    @pytest.mark.parametrize("config,message", [
+        ("modes: full\n", r"capture\.yaml: unknown key 'modes'; valid: mode, iterations, "
+                          r"interval, kinds, stats, micro_batches, rules$"),
+        ("rules:\n  - modul: [linear_fc1]\n", r"rules\[0\]: unknown key 'modul'; valid: name, "
+                                                r"layers, modules, kinds"),
+        ("rules:\n  - modules: [linear_fc1, mlp]\n",
+         r"rules\[0\]\.modules: unknown module 'mlp'; valid: linear_qkv, .*output_layer$"),
+        ("rules:\n  - {}\n  - kinds: [attention.weights]\n",
+         r"--tensor-save-config .*capture\.yaml: rules\[1\]\.kinds 'attention\.weights': "
+         r"unknown kind; valid: \[attention\.\|linear\.\]"),
+        ("stats: [absmax, l1_norm]\n", r"stats: unknown statistic 'l1_norm'; valid: min, max, "
+                                       r".*hifp8_regions$"),
+        ("mode: fast\n", r"mode: 'fast' is not a mode; valid: full, stats, off$"),
+        ("rules:\n  - layers: '(layers'\n", r"rules\[0\]\.layers: '\(layers' is not a valid "
+                                            r"regular expression"),
+        ("rules:\n  - layers: [1, 2]\n", r"rules\[0\]\.layers: \[1, 2\] is not a regular "
+                                         r"expression on the module path"),
+        ("iterations: [1, 0]\n", r"iterations: 0 is not a positive integer iteration; "
+                                 r"valid: 1\.\.3"),
+        ("iterations: [two]\n", r"iterations: 'two' is not a positive integer iteration"),
+        ("rules:\n  - iterations: 1.5\n", r"rules\[0\]\.iterations: 1\.5 is not a positive"),
+        ("iterations: [true]\n", r"iterations: True is not a positive integer iteration"),
+        ("rules:\n  - iterations: [2, 9]\n", r"rules\[0\]\.iterations: iteration 9 is beyond "
+                                             r"--train-iters 3; valid: 1\.\.3$"),
+        ("interval: 5\n", r"interval: interval 5 is beyond --train-iters 3"),
+        ("micro_batches: 0\n", r"micro_batches: 0 is not a positive number of micro-batches"),
+        ("rules: []\n", r"rules: expected a non-empty list of rules"),
+        ("- mode: full\n", r"capture\.yaml: expected a mapping of keys \(mode, iterations"),
+        ("mode: [full\n", r"capture\.yaml: not valid YAML \(line 2, column 1: "),
+    ])
+    def test_mistakes_are_one_line(self, tmp_path, config, message):
+        assert re.search(message, one_line_error([], tmp_path, config)), message
+
+    def test_unreadable_and_invalid_json_files(self, tmp_path):
+        assert re.search(r"nowhere\.yaml: cannot read it \(No such file or directory\)",
+                         one_line_error(["--tensor-save-config", str(tmp_path / "nowhere.yaml")]))
+        assert "capture.json: not valid JSON (" in \
+            one_line_error([], tmp_path, '{"mode": "full",}', "capture.json")
+
+    def test_metric_names_are_the_statistics_written(self):
+        x = torch.randn(64, 64)
+        names = set()
+        for fmt in ("mxfp8_e4m3", "hifp8"):
+            info, error, _ = compute_stats(x, fake_quantize(x, fmt, axis=1), fmt, 1)
+            names |= set(info) | set(error)
+        assert set(naming.METRICS) == names - {"shape", "dtype", "numel", "device",
+                                               "requires_grad", "is_leaf"}
+        entry = naming.keep_metrics(naming.manifest_entry(None, 0, {}, info, error),
+                                    {"absmax", "sqnr_db"})
+        assert set(entry["tensor_info"]) == {"shape", "dtype", "numel", "device",
+                                             "requires_grad", "is_leaf", "absmax"}
+        assert set(entry["quant_error"]) == {"sqnr_db"}

@@ -251,3 +251,66 @@ def test_tensor_parallel_ranks_write_distinct_files(tmp_path):
         q = fake_quantize(record["tensor"], meta["format"], axis=meta["axis"],
                           scale_mode=meta["scale_mode"])
         assert torch.equal(bits(q), bits(record["quantized"]))
+
+
+def test_schedule_captures_global_iterations_and_does_not_stop(tmp_path, capsys):
+    """--tensor-save-iters 2 5 on a 6-iteration run, then the same schedule after resuming
+    from iteration 3: iteration numbers are global."""
+    args = TINY_MOCK_ARGS + ["--train-iters", "6", "--quant-scheme", SCHEME, "--save-tensors",
+                             "--tensor-save-iters", "2", "5", "--tensor-save-layers", "1"]
+    ckpt = tmp_path / "ckpt"
+    result, _ = run(args + ["--tensor-save-dir", str(tmp_path / "a"), "--save", str(ckpt),
+                            "--save-interval", "3"])
+    assert (result.exit_code, result.exit_reason, result.iteration) == (0, "train-iters", 6)
+    entries = read_manifest(str(tmp_path / "a" / SCHEME))
+    assert {e["metadata"]["iteration"] for e in entries} == {2, 5}
+    assert all(os.path.exists(e["path"]) for e in entries)
+    assert read_runs(str(tmp_path / "a" / SCHEME))[0]["control_iter"] is None
+
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")   # resume from iteration 3
+    capsys.readouterr()
+    result, _ = run(args + ["--tensor-save-dir", str(tmp_path / "b"), "--load", str(ckpt)])
+    assert (result.exit_code, result.iteration) == (0, 6)
+    assert {e["metadata"]["iteration"] for e in read_manifest(str(tmp_path / "b" / SCHEME))} \
+        == {5}
+    assert "note: iterations 2 are not after the resumed iteration 3" in capsys.readouterr().out
+
+
+def test_capture_rules_choose_mode_iterations_and_statistics(tmp_path):
+    config = tmp_path / "capture.yaml"
+    config.write_text(
+        "rules:\n"
+        "  - name: attention\n"
+        "    layers: 'layers\\.1\\.'\n"
+        "    modules: [core_attention]\n"
+        "    kinds: [attention.query]\n"
+        "    mode: full\n"
+        "    iterations: [1]\n"
+        "  - name: mlp\n"
+        "    modules: [linear_fc1]\n"
+        "    kinds: [input]\n"
+        "    mode: stats\n"
+        "    interval: 2\n"
+        "    stats: [absmax, sqnr_db]\n"
+        "  - mode: off\n")
+    result, _ = run(TINY_MOCK_ARGS + [
+        "--train-iters", "3", "--quant-scheme", SCHEME, "--save-tensors",
+        "--tensor-save-dir", str(tmp_path), "--tensor-save-config", str(config)])
+    assert (result.exit_code, result.exit_reason, result.iteration) == (0, "train-iters", 3)
+    entries = read_manifest(str(tmp_path / SCHEME))
+    got = {(e["metadata"]["iteration"], e["metadata"]["name"], e["file"] is not None)
+           for e in entries}
+    assert got == {(1, "attention_L2_forward_pre_FA_query_core_attention", True),
+                   (2, "linear_L1_forward_pre_linear_input_linear_fc1", False),
+                   (2, "linear_L2_forward_pre_linear_input_linear_fc1", False)}
+    for entry in entries:
+        if entry["file"] is None:
+            assert set(entry["tensor_info"]) == {"shape", "dtype", "numel", "device",
+                                                 "requires_grad", "is_leaf", "absmax"}
+            assert set(entry["quant_error"]) == {"sqnr_db"}
+        else:
+            assert "mse" in entry["quant_error"] and "std" in entry["tensor_info"]
+            load_record(entry["path"])
+    run_file = read_runs(str(tmp_path / SCHEME))[0]
+    assert run_file["mode"] == "mixed" and [r["name"] for r in run_file["rules"]] == \
+        ["attention", "mlp", "rule 2"]
