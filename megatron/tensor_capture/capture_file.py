@@ -140,25 +140,26 @@ def _rule(where: _Where, place: str, spec: dict, train_iters: int, index: int) -
         except re.error as exc:
             raise where.error(f"{place}layers", f"{pattern!r} is not a valid regular "
                                                 f"expression ({exc})") from None
-    modules = None
-    if spec.get("modules") is not None:
-        modules = frozenset(_names(where, f"{place}modules", spec["modules"]))
-        for module in sorted(modules):
-            if module not in MODULE_NAMES:
-                raise where.error(f"{place}modules", f"unknown module {module!r}; valid: "
-                                                     f"{', '.join(MODULE_NAMES)}")
     kinds = parse_kinds(_names(where, f"{place}kinds", spec.get("kinds", "default")),
                         source=f"--tensor-save-config {where.path}: {place}kinds")
-    stats = None
-    if spec.get("stats") is not None:
-        stats = frozenset(_names(where, f"{place}stats", spec["stats"]))
-        for metric in sorted(stats):
-            if metric not in METRICS:
-                raise where.error(f"{place}stats", f"unknown statistic {metric!r}; valid: "
-                                                   f"{', '.join(METRICS)}")
     name = str(spec.get("name", f"rule {index}"))
-    return CaptureRule(name=name, layers=layers, modules=modules, kinds=kinds, mode=mode,
-                       schedule=_schedule(where, place, spec, train_iters), stats=stats)
+    return CaptureRule(
+        name=name, layers=layers, kinds=kinds, mode=mode,
+        modules=_choices(where, f"{place}modules", spec.get("modules"), MODULE_NAMES, "module"),
+        schedule=_schedule(where, place, spec, train_iters),
+        stats=_choices(where, f"{place}stats", spec.get("stats"), METRICS, "statistic"))
+
+
+def _choices(where: _Where, place: str, value: Any, valid: Tuple[str, ...],
+             what: str) -> Optional[FrozenSet[str]]:
+    """Names that must each be one of `valid` (None when the key is not given)."""
+    if value is None:
+        return None
+    chosen = frozenset(_names(where, place, value))
+    for name in sorted(chosen):
+        if name not in valid:
+            raise where.error(place, f"unknown {what} {name!r}; valid: {', '.join(valid)}")
+    return chosen
 
 
 def read_capture_file(path: str, train_iters: int) -> CaptureFile:
