@@ -273,7 +273,8 @@ def test_schedule_captures_global_iterations_and_does_not_stop(tmp_path, capsys)
     assert (result.exit_code, result.iteration) == (0, 6)
     assert {e["metadata"]["iteration"] for e in read_manifest(str(tmp_path / "b" / SCHEME))} \
         == {5}
-    assert "note: iterations 2 are not after the resumed iteration 3" in capsys.readouterr().out
+    assert "note: iteration 2 is not after the resumed iteration 3, so not captured" in \
+        capsys.readouterr().out
 
 
 def test_capture_rules_choose_mode_iterations_and_statistics(tmp_path):

@@ -154,10 +154,12 @@ class TensorCaptureCallback:
         self._log(f"capturing {self._iterations_text(iteration)}, micro-batches "
                   f"0..{micro - 1}, mode {config.mode} -> {self.directory} (run "
                   f"{self.run_id}); rules: {self.policy.describe()}")
-        missed = self.policy.unreachable()
+        missed = sorted(self.policy.unreachable())
         if missed:
-            self._log(f"note: iterations {', '.join(map(str, sorted(missed)))} are not after "
-                      f"the resumed iteration {iteration}, so they are not captured")
+            which = f"iterations {', '.join(map(str, missed))} are" if len(missed) > 1 else \
+                f"iteration {missed[0]} is"
+            self._log(f"note: {which} not after the resumed iteration {iteration}, so not "
+                      "captured")
         self._warn_if_disk_too_small(model_chunks, iteration)
 
     def _iterations_text(self, iteration: int) -> str:
