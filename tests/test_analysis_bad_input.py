@@ -158,18 +158,89 @@ def test_planted_and_truncated_records_are_reported_not_loaded(capture, tmp_path
     messages = sorted(p["message"] for p in doc["problems"] if p["kind"] == "unreadable_record")
     assert len(messages) == 2
     refused = next(m for m in messages if planted in m)
-    assert "refused: it holds objects other than tensors" in refused
-    assert "do not load it with weights_only=False" in refused
+    assert "not a valid capture record (refused to unpickle" in refused
     assert "unreadable record" in next(m for m in messages if truncated in m)
-    assert not any("weights_only=True" in m or "Weights only load failed" in m for m in messages)
+    assert not any("weights_only" in m or "Weights only load failed" in m for m in messages)
 
 
-def test_a_killed_run_is_reported(capture, tmp_path):
+def _summary(directory):
+    return os.path.join(directory, os.path.basename(_manifest(directory))
+                        .replace("manifest-", "summary-").replace(".jsonl", ".json"))
+
+
+def _killed_without_summary(directory):
+    os.remove(_summary(directory))          # what kill -9 leaves: no summary
+
+
+def _killed_mid_write(directory):
+    record = json.loads(open(_manifest(directory)).readline())["file"]
+    with open(os.path.join(directory, f".{record.replace('000001', '000099')}.tmp"), "wb") as f:
+        f.write(b"PK\x03\x04 half a record")
+
+
+@pytest.mark.parametrize("kill", [_killed_without_summary, _killed_mid_write])
+def test_a_killed_run_is_reported_as_incomplete_everywhere(capture, tmp_path, kill):
+    root = _copy(capture, tmp_path)
+    kill(os.path.join(root, "FA_linear_mxfp8"))
+    code, doc, out = _run(tmp_path, "--tensor-dir", root)
+    assert code == 0 and _kinds(doc) == ["unfinished_run"]
+    assert doc["problems"][0]["message"].startswith("incomplete run (killed?): ")
+    assert doc["quant_types"]["FA_linear_mxfp8"]["capture"]["status"] == \
+        "incomplete run (killed?)"
+    assert doc["quant_types"]["bf16"]["capture"]["status"] == "complete"
+    lines = {name: open(os.path.join(out, name)).read().splitlines()
+             for name in ("statistics.txt", "report.html")}
+    row = next(line for line in lines["statistics.txt"] if line.startswith("FA_linear_mxfp8 "))
+    assert "incomplete run (killed?)" in row
+    html = "\n".join(lines["report.html"])
+    assert "<b>incomplete run (killed?)</b>: the capture of FA_linear_mxfp8" in html
+    assert "<td>incomplete run (killed?)</td>" in html
+    # What the manifest lists is complete and still analysed.
+    assert doc["quant_types"]["FA_linear_mxfp8"]["overall"]["records"] == \
+        doc["quant_types"]["FA_linear_mxfp8"]["capture"]["manifest_records"]
+
+
+def test_a_record_planted_as_a_symlink_out_of_the_capture_is_refused(capture, tmp_path):
     root = _copy(capture, tmp_path)
     directory = os.path.join(root, "FA_linear_mxfp8")
-    summary = os.path.join(directory, os.path.basename(_manifest(directory))
-                           .replace("manifest-", "summary-").replace(".jsonl", ".json"))
-    os.remove(summary)                     # what kill -9 leaves: no summary
+    outside = tmp_path / "elsewhere.pt"
+    target = os.path.join(directory, json.loads(open(_manifest(directory)).readline())["file"])
+    shutil.move(target, outside)
+    os.symlink(outside, target)
     code, doc, _ = _run(tmp_path, "--tensor-dir", root)
-    assert code == 0 and _kinds(doc) == ["unfinished_run"]
-    assert "did not end" in doc["problems"][0]["message"]
+    assert code == 0 and _kinds(doc) == ["unreadable_record"]
+    assert f"resolves to {outside}, outside the capture directory" in doc["problems"][0]["message"]
+
+
+def test_a_record_without_the_quantized_copy_its_manifest_announces(capture, tmp_path):
+    root = _copy(capture, tmp_path)
+    directory = os.path.join(root, "FA_linear_mxfp8")
+    entry = json.loads(open(_manifest(directory)).readline())
+    assert entry["metadata"]["format"] == "mxfp8_e4m3"
+    path = os.path.join(directory, entry["file"])
+    record = torch.load(path, weights_only=True)
+    del record["quantized"]
+    torch.save(record, path)
+    code, doc, _ = _run(tmp_path, "--tensor-dir", root)
+    assert code == 0 and _kinds(doc) == ["bad_record"]
+    assert "no quantized tensor" in doc["problems"][0]["message"]
+
+
+@pytest.mark.parametrize("kind,content,words", [
+    ("run", "[1, 2]", "expected a JSON object"),
+    ("run", '{"quant_type": "../../etc", "mode": "full"}', "quant_type = '../../etc'"),
+    ("summary", '{"records": "many"}', "records = 'many'"),
+    ("summary", '{"error": {"nested": 1}}', "error = {'nested': 1}"),
+    ("summary", '{"records": 3', "cannot read"),
+])
+def test_malformed_run_and_summary_files_are_ignored(capture, tmp_path, kind, content, words):
+    root = _copy(capture, tmp_path)
+    directory = os.path.join(root, "FA_linear_mxfp8")
+    path = _summary(directory) if kind == "summary" else next(
+        os.path.join(directory, f) for f in os.listdir(directory) if f.startswith("run-"))
+    with open(path, "w") as f:
+        f.write(content)
+    code, doc, _ = _run(tmp_path, "--tensor-dir", root)
+    assert code == 0 and _kinds(doc) == [f"bad_{kind}_file"]
+    assert words in doc["problems"][0]["message"]
+    assert doc["quant_types"]["FA_linear_mxfp8"]["overall"]["records"] > 0

@@ -1,5 +1,6 @@
 """Loss curves from training logs and TensorBoard event files, and their gaps to bf16."""
 
+import math
 import os
 
 import pytest
@@ -60,9 +61,13 @@ def test_tensorboard_event_files(tmp_path):
     assert by_name["FA_linear_mxfp4"].train[5] == pytest.approx(6.8 * 1.02, rel=1e-6)
     assert by_name["bf16"].valid == {5: pytest.approx(6.790351, rel=1e-6)}
     table = {r["run"]: r for r in losses.loss_table(curves, "bf16")["table"]}
-    assert table["FA_linear_mxfp4"]["gap_to_baseline"] == pytest.approx(6.8 * 0.02, rel=1e-5)
+    # 5 logged iterations: the window is the last 3 (10% rounds up to 1, at least 3).
+    window_mean = (6.9 + 6.85 + 6.8) / 3
+    assert table["FA_linear_mxfp4"]["gap_window"] == [3, 5]
+    assert table["FA_linear_mxfp4"]["gap_to_baseline"] == pytest.approx(window_mean * 0.02,
+                                                                        rel=1e-5)
     assert table["FA_linear_mxfp4"]["relative_gap_to_baseline"] == pytest.approx(0.02, rel=1e-4)
-    assert table["bf16"]["gap_to_baseline"] == 0.0
+    assert table["bf16"]["gap_to_baseline"] is None          # no gap of the baseline to itself
 
 
 class _Problems:
@@ -79,7 +84,7 @@ def test_cli_with_loss_logs_only(tmp_path):
     (logs / "bf16.log").write_text(LOG_BF16)
     (logs / "FA_linear_mxfp8.log").write_text(_scaled_log(1.001))
     extra = tmp_path / "hifp8_run.txt"
-    extra.write_text(_scaled_log(1.01))
+    extra.write_text(_scaled_log(1.05))
     out = tmp_path / "out"
     code = main(["--loss-dir", str(logs), "--loss-logs", f"FA_linear_hifp8={extra}",
                  "--output-dir", str(out), "--no-progress", "--log-level", "WARNING"])
@@ -88,15 +93,58 @@ def test_cli_with_loss_logs_only(tmp_path):
     table = {r["run"]: r for r in doc["losses"]["table"]}
     assert set(table) == {"bf16", "FA_linear_mxfp8", "FA_linear_hifp8"}
     assert doc["losses"]["baseline"] == "bf16"
-    assert table["FA_linear_mxfp8"]["final_loss"] == pytest.approx(6.8 * 1.001, rel=1e-6)
-    assert table["FA_linear_mxfp8"]["gap_to_baseline"] == pytest.approx(6.8 * 0.001, rel=1e-4)
-    assert table["FA_linear_hifp8"]["validation_gap_to_baseline"] == pytest.approx(
-        6.790351 * 0.01, rel=1e-4)
-    assert table["FA_linear_hifp8"]["compared_at_iteration"] == 5
+    window = [6.9, 6.85, 6.8]                 # iterations 3..5 of the baseline
+    mean = sum(window) / 3
+    std = math.sqrt(sum((v - mean) ** 2 for v in window) / 2)
+    mxfp8 = table["FA_linear_mxfp8"]
+    assert mxfp8["final_loss"] == pytest.approx(6.8 * 1.001, rel=1e-6)
+    assert mxfp8["gap_to_baseline"] == pytest.approx(mean * 0.001, rel=1e-4)
+    # The scaled curve's spread is 1.001 times the baseline's: combined in quadrature.
+    assert mxfp8["gap_spread"] == pytest.approx(std * math.hypot(1.0, 1.001), rel=1e-4)
+    assert mxfp8["gap_within_noise"] is True and "within run-to-run noise" in mxfp8["gap_note"]
+    hifp8 = table["FA_linear_hifp8"]
+    assert hifp8["gap_to_baseline"] == pytest.approx(mean * 0.05, rel=1e-4)
+    assert hifp8["gap_to_baseline"] > hifp8["gap_spread"] and not hifp8["gap_within_noise"]
+    assert hifp8["validation_difference_to_baseline"] == pytest.approx(6.790351 * 0.05,
+                                                                       rel=1e-4)
+    assert hifp8["validation_compared_at_iteration"] == 5
     assert os.path.exists(out / "figures" / "loss_curves.png")
     html = (out / "report.html").read_text()
-    assert "Final loss and gap to bf16" in html and "FA_linear_hifp8" in html
-    assert "Final loss (baseline bf16)" in (out / "statistics.txt").read_text()
+    text = (out / "statistics.txt").read_text()
+    for page in (html, text):
+        assert "Loss gap to bf16" in page and "within run-to-run noise" in page
+    assert f"{mean * 1.001:.4g} ± {std * 1.001:.4g}" in text
+
+
+def test_a_single_common_iteration_is_never_a_gap():
+    base = losses.LossCurve("bf16", "", train={1: 7.0, 2: 6.5})
+    other = losses.LossCurve("FA_linear_mxfp4", "", train={2: 6.7})
+    row = {r["run"]: r for r in losses.loss_table([base, other], "bf16")["table"]}[
+        "FA_linear_mxfp4"]
+    assert row["gap_to_baseline"] is None and row["gap_window"] is None
+    assert "1 common iteration(s): too few for a gap" in row["gap_note"]
+
+
+def test_window_is_the_last_tenth_and_at_least_three():
+    assert losses.last_window([1, 2]) == []
+    assert losses.last_window(list(range(1, 6))) == [3, 4, 5]
+    assert losses.last_window(list(range(1, 101))) == list(range(91, 101))
+    assert losses.last_window(list(range(1, 42))) == list(range(37, 42))   # ceil(4.1) = 5
+
+
+def test_demo_log_directory_uses_training_logs_not_capture_logs(tmp_path):
+    """The demo writes {scheme}.log (training) and {scheme}-capture.log (one capture
+    iteration) side by side; --loss-dir takes the former only."""
+    for scheme, factor in (("bf16", 1.0), ("FA_linear_mxfp8", 1.001)):
+        (tmp_path / f"{scheme}.log").write_text("  lr ...................... 0.003\n"
+                                                + _scaled_log(factor))
+        (tmp_path / f"{scheme}-capture.log").write_text(_scaled_log(factor))
+    problems = _Problems()
+    curves = losses.load_curves([], [str(tmp_path)], problems)
+    assert sorted(c.name for c in curves) == ["FA_linear_mxfp8", "bf16"]
+    assert problems.items == []
+    assert all(c.source.endswith(f"{c.name}.log") for c in curves)
+    assert all(c.args == {"lr": "0.003"} for c in curves)
 
 
 def test_unreadable_loss_sources(tmp_path, capsys):

@@ -39,7 +39,7 @@ def test_outputs_written(analysed):
     _, out, doc = analysed
     for name in ("statistics.json", "statistics.txt", "report.html", "records.csv"):
         assert os.path.getsize(os.path.join(out, name)) > 0
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     assert set(doc["quant_types"]) == set(QUANT_SCHEMES) | {"linear_mxfp8"}
     pngs = sorted(os.listdir(os.path.join(out, "figures")))
     for name in ("value_distributions.png", "mx_scale_exponents.png", "hifp8_regions.png",

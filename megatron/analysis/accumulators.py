@@ -21,9 +21,11 @@ N_SCALE = SCALE_MAX - SCALE_MIN + 1
 _SUM_FIELDS = (  # merged by addition
     "records", "bytes", "from_tensors", "n", "nan", "inf", "zeros", "s1", "s2", "s4",
     "q_records", "q_n", "x2", "e2", "q_finite", "q_nonzero", "flushed", "saturated",
-    "q_nonfinite", "blocks", "nan_blocks", "rec_sqnr_sum", "rec_sqnr_n",
+    "q_nonfinite", "blocks", "nan_blocks", "rec_sqnr_sum", "rec_sqnr_n", "hifp8_scaled",
 )
-_ARRAY_FIELDS = ("hist", "q_hist", "scaled_hist", "scale_hist", "regions")
+_FLOAT_ARRAYS = ("regions", "grid_regions")     # counts reconstructed from manifest fractions
+_ARRAY_FIELDS = ("hist", "q_hist", "scaled_hist", "scale_hist", "regions", "grid_hist",
+                 "grid_regions")
 
 
 class Stats:
@@ -34,7 +36,9 @@ class Stats:
     sum (q - x)^2; flushed (finite nonzero x -> 0), saturated, non-finite q; |q| histogram;
     MX: blocks, NaN blocks, shared-exponent histogram and the histogram of |x| / 2^scale.
     `regions`: HiFP8 region counts taken from manifest statistics (records without tensors);
-    for records with tensors they are derived from `hist`.
+    for records with tensors they are derived from `hist`. `grid_hist`: for HiF8 records, the
+    |x| histogram of the values as the grid saw them (hp * 2^k for the `hifp8_scaled` records
+    scaled per tensor, hp otherwise); `grid_regions`: the same from manifest statistics.
     """
 
     __slots__ = _SUM_FIELDS + _ARRAY_FIELDS + ("absmax", "vmin", "vmax", "rec_sqnr_min")
@@ -68,7 +72,7 @@ class Stats:
 
     def add_array(self, name: str, values: np.ndarray) -> None:
         mine = getattr(self, name)
-        setattr(self, name, values.astype(np.int64 if name != "regions" else np.float64)
+        setattr(self, name, values.astype(np.float64 if name in _FLOAT_ARRAYS else np.int64)
                 if mine is None else mine + values)
 
     # -- derived quantities ---------------------------------------------------------------
@@ -91,12 +95,11 @@ class Stats:
 
     def region_counts(self) -> Optional[np.ndarray]:
         """HiFP8 region counts over finite nonzero x (histogram part + manifest part)."""
-        total = None
-        if self.hist is not None:
-            total = region_counts_from_hist(self.hist).astype(np.float64)
-        if self.regions is not None:
-            total = self.regions.copy() if total is None else total + self.regions
-        return total
+        return _sum_regions(self.hist, self.regions)
+
+    def grid_region_counts(self) -> Optional[np.ndarray]:
+        """The same for the values of HiF8 records as the grid saw them."""
+        return _sum_regions(self.grid_hist, self.grid_regions)
 
     def metrics(self) -> Dict[str, object]:
         """The reported statistics of this set (see docs/analysis.md, "metrics block")."""
@@ -128,12 +131,9 @@ class Stats:
         out["min_abs_nonzero_bin_edge"] = low
         out["dynamic_range_binades"] = (
             math.log2(self.absmax) - math.log2(low) if low and self.absmax > 0 else None)
-        regions = self.region_counts()
-        if regions is not None and regions.sum() > 0:
-            out["hifp8_regions"] = {name: float(c / regions.sum())
-                                    for name, c in zip(REGIONS, regions)}
-        else:
-            out["hifp8_regions"] = None
+        out["hifp8_regions"] = _region_shares(self.region_counts())
+        out["hifp8_grid_regions"] = _region_shares(self.grid_region_counts())
+        out["hifp8_scaled_records"] = int(self.hifp8_scaled)
         if not self.quantized:
             out["quantization"] = None
             return out
@@ -182,6 +182,19 @@ def scale_summary(hist: Optional[np.ndarray]):
     lo, hi = int(exps[nz[0]]), int(exps[nz[-1]])
     return {"min": lo, "max": hi, "mean": mean, "std": std,
             "hist": {"min": lo, "counts": [int(c) for c in hist[nz[0]:nz[-1] + 1]]}}
+
+
+def _sum_regions(hist: Optional[np.ndarray], counts: Optional[np.ndarray]):
+    total = None if hist is None else region_counts_from_hist(hist).astype(np.float64)
+    if counts is not None:
+        total = counts.copy() if total is None else total + counts
+    return total
+
+
+def _region_shares(counts: Optional[np.ndarray]):
+    if counts is None or counts.sum() <= 0:
+        return None
+    return {name: float(c / counts.sum()) for name, c in zip(REGIONS, counts)}
 
 
 def _ratio(num, den):

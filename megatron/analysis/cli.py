@@ -8,13 +8,15 @@ import os
 import sys
 from typing import List, Optional
 
-from megatron.analysis.pipeline import Options, analyze, parse_int_list
+from megatron.analysis.intlists import parse_int_list
+from megatron.analysis.pipeline import Options, analyze
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tensor_visualizer.py",
-        description="Analyse tensor captures (and loss logs) of low-precision training runs: "
+        description="Analyse tensor captures, loss logs and quantization telemetry of "
+                    "low-precision training runs: "
                     "writes statistics.json, statistics.txt, records.csv, figures/*.png and a "
                     "self-contained report.html.",
         allow_abbrev=False)
@@ -55,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loss-baseline", default="bf16", metavar="NAME",
                         help="Run the final-loss gaps are measured against (default: "
                              "%(default)s).")
+    parser.add_argument("--tensorboard-dir", nargs="+", default=[], metavar="DIR",
+                        help="TensorBoard directories holding the quantization telemetry "
+                             "training writes with --quant-stats-interval (quant/... scalars): "
+                             "a --tensorboard-dir of one run, or a parent with one "
+                             "sub-directory per scheme (the demo's tensorboard/).")
     parser.add_argument("--no-figures", action="store_true",
                         help="Skip the PNG figures (statistics and report tables only).")
     parser.add_argument("--no-progress", action="store_true",
@@ -73,14 +80,15 @@ def options_from_args(args) -> Options:
         iterations=parse_int_list(args.iterations), operations=args.operations,
         max_records=args.max_records, manifest_only=args.manifest_only,
         loss_logs=list(args.loss_logs), loss_dirs=list(args.loss_dir),
-        loss_baseline=args.loss_baseline, figures=not args.no_figures)
+        loss_baseline=args.loss_baseline, tensorboard_dirs=list(args.tensorboard_dir),
+        figures=not args.no_figures)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.tensor_dir and not args.loss_logs and not args.loss_dir:
-        parser.error("give --tensor-dir and/or --loss-logs / --loss-dir")
+    if not (args.tensor_dir or args.loss_logs or args.loss_dir or args.tensorboard_dir):
+        parser.error("give --tensor-dir, --loss-logs / --loss-dir and/or --tensorboard-dir")
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:

@@ -13,15 +13,23 @@ HiF8 (per element, no scaling) spends its mantissa bits unevenly across binades:
 Every boundary is a bin edge of the shared histogram layout, so region shares of any set of
 records come straight from its |x| histogram: for HiFP8 captures they describe the actual
 quantization, for other formats they answer "how would these values sit in HiF8, unscaled".
+
+Records of HiF8 operands quantized with a per-tensor scale carry metadata
+`hifp8_scaling: "tensor"` and `hifp8_scale_exponent` k: the grid rounded hp * 2^k
+(`megatron.quantization.formats.hifp8_scaled_fake_quantize`). Multiplying by 2^k moves every
+magnitude by exactly k binades, i.e. 4k histogram bins, so the histogram of the values the grid
+saw is the record's histogram shifted (`grid_histogram`); its regions are reported beside the
+regions of the unscaled values.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import dataclasses
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-from megatron.analysis.binning import bin_index_of_value
+from megatron.analysis.binning import SUB, bin_index_of_value
 
 # HiFP8 precision regions, in the order of Stats.regions.
 REGIONS = ("underflow", "denormal", "mant1", "mant2", "mant3", "overflow")
@@ -74,3 +82,38 @@ def zones_log2():
         hi2 = np.log2(hi) if np.isfinite(hi) else np.inf
         out.append((lo2, hi2, label, bits))
     return out
+
+
+def hifp8_scale_exponent(metadata: dict) -> Optional[int]:
+    """k of a record scaled per tensor before rounding to HiF8 (hp * 2^k), None if unscaled
+    (records without the keys are unscaled)."""
+    if metadata.get("hifp8_scaling") != "tensor":
+        return None
+    return int(metadata["hifp8_scale_exponent"])
+
+
+def hifp8_seen_by_grid(fmt, k: Optional[int]):
+    """The format limits in the record's own (unscaled) units: the grid saturates hp * 2^k at
+    max_normal, i.e. hp at max_normal * 2^-k. Other formats are returned unchanged."""
+    if not k or fmt.kind != "hifp8" or not fmt.max_normal:
+        return fmt
+    return dataclasses.replace(fmt, max_normal=float(fmt.max_normal) * 2.0 ** -k)
+
+
+def grid_histogram(hist: np.ndarray, k: int) -> np.ndarray:
+    """Histogram of |x| * 2^k from that of |x| (exact: a shift by 4k bins; magnitudes pushed
+    past either end of the layout land in the end bins, as the layout does for all values)."""
+    shift = SUB * int(k)
+    out = np.zeros_like(hist)
+    idx = np.clip(np.arange(hist.size) + shift, 0, hist.size - 1)
+    np.add.at(out, idx, hist)
+    return out
+
+
+def add_grid_histogram(stats, fmt, k: Optional[int]) -> None:
+    """For a HiF8 record: the histogram of the values as HiF8's grid saw them (`grid_hist`)
+    and whether the record was scaled (`hifp8_scaled`)."""
+    if fmt.kind != "hifp8" or stats.hist is None:
+        return
+    stats.add_array("grid_hist", stats.hist if k is None else grid_histogram(stats.hist, k))
+    stats.hifp8_scaled += int(k is not None)

@@ -10,15 +10,16 @@ megatron.tensor_capture.load (weights_only=True).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
+import pickle
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
 
+from megatron.analysis.validation import check_manifest_item, check_run_file, check_summary_file
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture import load as capture_load
 from megatron.tensor_capture.format import MANIFEST_GLOB
@@ -26,6 +27,12 @@ from megatron.tensor_capture.format import MANIFEST_GLOB
 log = logging.getLogger("megatron.analysis")
 
 FORMAT_VERSIONS = capture_format.READABLE_VERSIONS
+# A record being written is `.{file name}.tmp` (docs/capture-format.md); one left behind means
+# the writer was stopped mid-write.
+TEMPORARY_GLOB = ".*.tmp"
+UNFINISHED_RUN = "unfinished_run"              # problem kind
+INCOMPLETE_RUN = "incomplete run (killed?)"    # how reports name such a capture
+RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class Problems:
@@ -74,6 +81,11 @@ class Capture:
     runs: List[dict] = field(default_factory=list)
     summaries: List[dict] = field(default_factory=list)
     entries: List[Entry] = field(default_factory=list)
+    incomplete: List[str] = field(default_factory=list)   # why the capture is unfinished
+
+    @property
+    def status(self) -> str:
+        return INCOMPLETE_RUN if self.incomplete else "complete"
 
 
 def _is_capture_dir(path: str) -> bool:
@@ -110,34 +122,47 @@ def read_manifest_file(path: str, problems: Problems) -> List[dict]:
     """Parsed lines of one manifest; lines that do not parse (a killed run) are reported and
     skipped, and the rest of the manifest is used."""
     items = []
-    for number, item, problem in capture_format.parse_manifest(path):
-        if problem is not None:
-            kind, message = problem
-            problems.add(kind, f"{message} (the rest of the manifest is used)")
-            continue
-        item["_source"] = f"{os.path.basename(path)}:{number}"
-        items.append(item)
+    number = 0
+    try:
+        for number, item, problem in capture_format.parse_manifest(path):
+            if problem is not None:
+                kind, message = problem
+                problems.add(kind, f"{message} (the rest of the manifest is used)")
+                continue
+            item["_source"] = f"{os.path.basename(path)}:{number}"
+            items.append(item)
+    except (RecursionError, OSError, ValueError) as exc:
+        # A line nested too deeply for the JSON parser ends the manifest's parser.
+        problems.add("bad_manifest_line", f"{path}: cannot read past line {number} "
+                                          f"({type(exc).__name__}: {str(exc)[:80]}); the "
+                                          "lines after it are not analysed")
     return items
 
 
-def _read_json(path: str, problems: Problems, kind: str) -> Optional[dict]:
+def _read_json(path: str, problems: Problems, kind: str, check) -> Optional[dict]:
+    """A run or summary file, or None (reported) when it cannot be read or is malformed."""
     try:
-        return capture_format.read_json(path)
-    except (OSError, json.JSONDecodeError) as exc:
+        doc = capture_format.read_json(path)
+    except (OSError, ValueError, RecursionError) as exc:
         problems.add(kind, f"cannot read {path}: {exc}")
         return None
+    why = check(doc)
+    if why is not None:
+        problems.add(kind, f"{path}: {why}; file ignored")
+        return None
+    return doc
 
 
 def read_capture(directory: str, problems: Problems) -> Capture:
     """Run files, summaries and manifest entries of one scheme directory."""
     capture = Capture(directory=directory, quant_scheme=os.path.basename(directory.rstrip("/")))
     for path in capture_format.capture_files(directory, capture_format.RUN_GLOB):
-        run = _read_json(path, problems, "bad_run_file")
+        run = _read_json(path, problems, "bad_run_file", check_run_file)
         if run is not None:
             capture.runs.append(run)
             capture.quant_scheme = run.get(capture_format.SCHEME_KEY) or capture.quant_scheme
     for path in capture_format.capture_files(directory, capture_format.SUMMARY_GLOB):
-        summary = _read_json(path, problems, "bad_summary_file")
+        summary = _read_json(path, problems, "bad_summary_file", check_summary_file)
         if summary is not None:
             summary["_file"] = os.path.basename(path)
             capture.summaries.append(summary)
@@ -146,67 +171,133 @@ def read_capture(directory: str, problems: Problems) -> Capture:
                                           f"{summary['error']}")
     for path in capture_format.manifest_files(directory):
         if not os.path.exists(capture_format.summary_for_manifest(path)):
-            problems.add("unfinished_run", f"{path}: the run has no summary file, so it did not "
-                                           "end (killed, or still running); the records its "
+            _incomplete(capture, problems, f"{path} has no summary file, so the run did not end "
+                                           "(killed, or still running); the records its "
                                            "manifest lists are complete, later ones are missing")
         for item in read_manifest_file(path, problems):
             entry = _entry(item, directory, capture.quant_scheme, problems)
             if entry is not None:
                 capture.entries.append(entry)
+    leftovers = capture_format.capture_files(directory, TEMPORARY_GLOB)
+    if leftovers:
+        _incomplete(capture, problems, f"{directory} holds {len(leftovers)} temporary record "
+                                       f"file(s) ({os.path.basename(leftovers[0])}, ...) of "
+                                       "writes that never finished; they are not analysed")
     return capture
+
+
+def read_captures(paths: List[str], problems: Problems) -> List[Capture]:
+    """Every capture under the given paths. The same scheme found under two parents (e.g. a
+    floor and an rceil experiment) is kept apart as `scheme@parent`; directories under the
+    same parent (several runs appended to one capture) are merged by the analysis."""
+    captures = []
+    for directory in discover(paths, problems):
+        capture = read_capture(directory, problems)
+        if not capture.entries:
+            problems.add("empty_capture", f"{directory}: the manifests list no valid records")
+        captures.append(capture)
+    parents: Dict[str, set] = {}
+    for capture in captures:
+        parents.setdefault(capture.quant_scheme, set()).add(
+            os.path.dirname(capture.directory.rstrip("/")))
+    for capture in captures:
+        if len(parents[capture.quant_scheme]) > 1:
+            parent = os.path.basename(os.path.dirname(capture.directory.rstrip("/")))
+            label = f"{capture.quant_scheme}@{parent}"
+            capture.quant_scheme = label
+            for entry in capture.entries:
+                entry.quant_scheme = label
+    return captures
+
+
+def _incomplete(capture: "Capture", problems: Problems, reason: str) -> None:
+    capture.incomplete.append(reason)
+    problems.add(UNFINISHED_RUN, f"{INCOMPLETE_RUN}: {reason}")
 
 
 def _entry(item: dict, directory: str, default_scheme: str, problems: Problems) -> Optional[Entry]:
     source = f"{directory}/{item.get('_source', '?')}"
     version = item.get("format_version")
-    if version not in FORMAT_VERSIONS:
+    if not _is_version(version):
         problems.add("unknown_format_version",
                      f"{source}: manifest line has format_version {version!r} (this analysis "
                      f"reads {', '.join(map(str, FORMAT_VERSIONS))}); skipped")
         return None
-    metadata = item.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        problems.add("bad_manifest_line", f"{source}: metadata is not an object; skipped")
-        return None
-    nbytes = item.get("bytes") or 0
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-        problems.add("bad_manifest_line", f"{source}: bytes {nbytes!r} is not a byte count; "
-                                          "skipped")
-        return None
+    why = check_manifest_item(item)
     file_name = item.get("file")
-    if file_name:
+    if why is None and file_name is not None:
         try:
             capture_format.record_path(directory, file_name)
         except ValueError as exc:
-            problems.add("bad_manifest_line", f"{source}: {exc}; skipped")
-            return None
-    tensor_info = item.get("tensor_info")
-    quant_error = item.get("quant_error")
+            why = f"file: {exc}"
+    if why is not None:
+        problems.add("bad_manifest_line", f"{source}: {why}; record skipped")
+        return None
+    metadata = item["metadata"]
     return Entry(
         quant_scheme=str(metadata.get(capture_format.SCHEME_KEY) or default_scheme),
-        directory=directory, file=file_name, bytes=nbytes, metadata=metadata,
-        tensor_info=tensor_info if isinstance(tensor_info, dict) else {},
-        quant_error=quant_error if isinstance(quant_error, dict) else None,
-        source=source)
+        directory=directory, file=file_name, bytes=item.get("bytes") or 0, metadata=metadata,
+        tensor_info=item["tensor_info"], quant_error=item.get("quant_error"), source=source)
 
 
-def load_record(path: str) -> dict:
-    """A record dict from its .pt file (weights_only: records hold only tensors and plain data)."""
-    return capture_load.load_record(path)
+def _is_version(value) -> bool:
+    # bool is an int in Python: `true` must not pass for format_version 1.
+    return not isinstance(value, bool) and value in FORMAT_VERSIONS
 
 
-def check_record(record, source: str) -> Optional[str]:
-    """Why a loaded record cannot be analysed, or None when it follows the format."""
+class UnreadableRecord(ValueError):
+    """A record file the analysis will not or cannot read; the message is one line."""
+
+
+def load_record(path: str, directory: Optional[str] = None) -> dict:
+    """A record dict from its .pt file, loaded with weights_only=True (records hold only
+    tensors and plain data). With `directory`, a path that resolves outside it (a symlink
+    planted in a capture) is refused before it is opened."""
+    if directory is not None and not _inside(path, directory):
+        raise UnreadableRecord(f"{path}: refused: it resolves to "
+                               f"{os.path.realpath(path)}, outside the capture directory")
+    try:
+        return capture_load.load_record(path)
+    except capture_load.RecordError as exc:
+        if isinstance(exc.__context__, pickle.UnpicklingError):
+            # Never advise another way of loading it: unpickling anything else runs code.
+            raise UnreadableRecord(f"{path}: not a valid capture record (refused to unpickle: "
+                                   "it holds objects other than tensors and plain data)") from None
+        raise UnreadableRecord(_without_loader_advice(str(exc))) from None
+
+
+def _without_loader_advice(message: str) -> str:
+    """torch's errors may suggest weights_only=False; such advice must not reach users."""
+    if "weights_only" not in message:
+        return message
+    return message.split(":", 1)[0] + ": unreadable record; the file is truncated or damaged"
+
+
+def _inside(path: str, directory: str) -> bool:
+    root = os.path.realpath(directory)
+    return os.path.commonpath([root, os.path.realpath(path)]) == root
+
+
+def check_record(record, source: str, metadata: Optional[dict] = None) -> Optional[str]:
+    """Why a loaded record cannot be analysed, or None when it follows the format (and, given
+    its manifest metadata, holds the quantized copy that metadata announces)."""
     if not isinstance(record, dict):
         return f"{source}: not a record dict"
     version = record.get("format_version")
-    if version not in FORMAT_VERSIONS:
+    if not _is_version(version):
         return (f"{source}: record has format_version {version!r} (this analysis reads "
                 f"{', '.join(map(str, FORMAT_VERSIONS))}); skipped")
-    if not isinstance(record.get("tensor"), torch.Tensor):
+    tensor = record.get("tensor")
+    if not isinstance(tensor, torch.Tensor):
         return f"{source}: record has no tensor; skipped"
-    if record["tensor"].dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        return f"{source}: unsupported dtype {record['tensor'].dtype}; skipped"
+    if tensor.dtype not in RECORD_DTYPES:
+        return f"{source}: unsupported dtype {tensor.dtype}; skipped"
+    if metadata is None or metadata.get("format", "none") == "none":
+        return None
+    quantized = record.get("quantized")
+    if not isinstance(quantized, torch.Tensor) or quantized.shape != tensor.shape:
+        return (f"{source}: the manifest says format {metadata['format']} but the record has "
+                f"no quantized tensor of shape {list(tensor.shape)}; skipped")
     return None
 
 

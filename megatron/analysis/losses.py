@@ -6,16 +6,24 @@ Sources, per run name:
 - TensorBoard event files (scalar tags "lm loss" and "lm loss validation", as written by the
   training loop's SummaryWriter), given as a file or a directory searched recursively.
 When a log is appended to by a resumed run, the last value logged for an iteration wins.
+
+A gap to the baseline is never the difference at one iteration (a single batch's loss is
+noisy): it is the difference of the mean losses over the last 10% of the iterations both runs
+logged (at least 3), shown with the spread of the curves over that window; a gap within the
+combined spread is marked as within run-to-run noise.
 """
 
 from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+
+from megatron.analysis.events import event_files, is_event_file, read_scalars
 
 log = logging.getLogger("megatron.analysis")
 
@@ -24,7 +32,12 @@ VALID_TAG = "lm loss validation"
 _NUMBER = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|NaN|inf|Inf|-inf))"
 _TRAIN_RE = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|.*?\blm loss:\s*" + _NUMBER)
 _VALID_RE = re.compile(r"validation loss at iteration\s+(\d+)\s*\|\s*lm loss value:\s*" + _NUMBER)
+# The argument block training prints at start-up: `  lr ............ 0.003`.
+_ARG_RE = re.compile(r"^\s{1,4}([a-z][a-z0-9_]*) \.{2,} (.*)$")
 LOG_SUFFIXES = (".log", ".txt", ".out")
+CAPTURE_LOG_SUFFIX = "-capture"
+WINDOW_FRACTION = 0.1        # the gap is measured over the last 10% of common iterations,
+MIN_WINDOW = 3               # and never over fewer than 3 points
 
 
 @dataclass
@@ -35,6 +48,7 @@ class LossCurve:
     source: str
     train: Dict[int, float] = field(default_factory=dict)
     valid: Dict[int, float] = field(default_factory=dict)
+    args: Dict[str, str] = field(default_factory=dict)    # the log's argument block
 
     def series(self, which: str = "train") -> Tuple[List[int], List[float]]:
         data = self.train if which == "train" else self.valid
@@ -43,9 +57,13 @@ class LossCurve:
 
 
 def parse_log_text(text: str, name: str = "run", source: str = "") -> LossCurve:
-    """Training/validation losses from the text of a training log."""
+    """Training/validation losses (and the printed arguments) from a training log's text."""
     curve = LossCurve(name, source)
     for line in text.splitlines():
+        match = _ARG_RE.match(line)
+        if match:
+            curve.args[match.group(1)] = match.group(2).strip()
+            continue
         match = _VALID_RE.search(line)
         if match:
             curve.valid[int(match.group(1))] = float(match.group(2))
@@ -56,39 +74,18 @@ def parse_log_text(text: str, name: str = "run", source: str = "") -> LossCurve:
     return curve
 
 
-def _event_files(path: str) -> List[str]:
-    if os.path.isfile(path):
-        return [path] if "tfevents" in os.path.basename(path) else []
-    return sorted(glob.glob(os.path.join(glob.escape(path), "**", "*tfevents*"), recursive=True))
-
-
 def read_tensorboard(path: str, name: str) -> LossCurve:
     """Losses from TensorBoard event files (several files: by wall time, last value wins)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    curve = LossCurve(name, path)
-    points: Dict[str, Dict[int, Tuple[float, float]]] = {TRAIN_TAG: {}, VALID_TAG: {}}
-    for file in _event_files(path):
-        acc = EventAccumulator(file, size_guidance={"scalars": 0})
-        acc.Reload()
-        tags = acc.Tags().get("scalars", [])
-        for tag in (TRAIN_TAG, VALID_TAG):
-            if tag not in tags:
-                continue
-            for event in acc.Scalars(tag):
-                old = points[tag].get(event.step)
-                if old is None or event.wall_time >= old[0]:
-                    points[tag][event.step] = (event.wall_time, float(event.value))
-    curve.train = {step: v for step, (_, v) in points[TRAIN_TAG].items()}
-    curve.valid = {step: v for step, (_, v) in points[VALID_TAG].items()}
-    return curve
+    scalars = read_scalars(event_files(path), lambda tag: tag in (TRAIN_TAG, VALID_TAG))
+    return LossCurve(name, path, train=scalars.get(TRAIN_TAG, {}),
+                     valid=scalars.get(VALID_TAG, {}))
 
 
 def read_source(name: str, path: str) -> LossCurve:
     """A run's losses from a log file, an event file, or a directory holding either."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"loss source {path} does not exist")
-    if _event_files(path):
+    if event_files(path):
         return read_tensorboard(path, name)
     files = [path] if os.path.isfile(path) else sorted(
         f for f in glob.glob(os.path.join(glob.escape(path), "**", "*"), recursive=True)
@@ -99,19 +96,29 @@ def read_source(name: str, path: str) -> LossCurve:
             part = parse_log_text(f.read(), name, file)
         curve.train.update(part.train)
         curve.valid.update(part.valid)
+        curve.args.update(part.args)
     return curve
 
 
 def sources_from_dir(directory: str) -> List[Tuple[str, str]]:
-    """(run name, path) for each log file or sub-directory of a directory named by scheme."""
+    """(run name, path) for each log file or sub-directory of a directory named by scheme.
+
+    `{scheme}-capture.log` (the log of a capture run, as the demo writes beside the training
+    log `{scheme}.log`) is not a training curve and is left out."""
     out = []
     for entry in sorted(os.listdir(directory)):
         path = os.path.join(directory, entry)
         if os.path.isdir(path):
             out.append((entry, path))
-        elif entry.endswith(LOG_SUFFIXES) or "tfevents" in entry:
-            out.append((os.path.splitext(entry)[0] if "tfevents" not in entry else entry, path))
+        elif is_event_file(entry):
+            out.append((entry, path))
+        elif entry.endswith(LOG_SUFFIXES) and not _is_capture_log(entry):
+            out.append((os.path.splitext(entry)[0], path))
     return out
+
+
+def _is_capture_log(file_name: str) -> bool:
+    return os.path.splitext(file_name)[0].endswith(CAPTURE_LOG_SUFFIX)
 
 
 def parse_spec(spec: str) -> Tuple[str, str]:
@@ -151,13 +158,40 @@ def load_curves(specs: List[str], directories: List[str], problems) -> List[Loss
     return curves
 
 
-def _gap(curve: Dict[int, float], base: Dict[int, float]):
-    """(iteration compared at, value, baseline value): the last iteration both runs logged."""
-    common = sorted(set(curve) & set(base))
-    if common:
-        it = common[-1]
-        return it, curve[it], base[it]
-    return None, None, None
+def last_window(iterations: List[int]) -> List[int]:
+    """The last 10% of `iterations` (sorted), at least MIN_WINDOW of them; [] if too few."""
+    if len(iterations) < MIN_WINDOW:
+        return []
+    size = max(MIN_WINDOW, math.ceil(WINDOW_FRACTION * len(iterations)))
+    return iterations[-size:]
+
+
+def _mean_std(values: List[float]) -> Tuple[float, float]:
+    """Mean and sample standard deviation (ddof 1: the spread of the curve in the window)."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(var)
+
+
+def gap(curve: Dict[int, float], base: Dict[int, float]) -> dict:
+    """The gap of `curve` to `base` over the last window of the iterations both logged."""
+    window = last_window(sorted(set(curve) & set(base)))
+    if not window:
+        common = len(set(curve) & set(base))
+        return {"gap_to_baseline": None, "gap_window": None,
+                "gap_note": f"{common} common iteration(s): too few for a gap (needs "
+                            f"{MIN_WINDOW})"}
+    mean, std = _mean_std([curve[i] for i in window])
+    base_mean, base_std = _mean_std([base[i] for i in window])
+    value = mean - base_mean
+    spread = math.hypot(std, base_std)
+    within = abs(value) <= spread
+    return {"gap_window": [window[0], window[-1]], "gap_window_points": len(window),
+            "gap_to_baseline": value, "gap_spread": spread,
+            "relative_gap_to_baseline": value / base_mean if base_mean else None,
+            "gap_within_noise": within,
+            "gap_note": ("within run-to-run noise (|gap| <= combined spread)" if within
+                         else "larger than the combined spread")}
 
 
 def loss_table(curves: List[LossCurve], baseline: str) -> dict:
@@ -167,27 +201,32 @@ def loss_table(curves: List[LossCurve], baseline: str) -> dict:
     for c in curves:
         its, vals = c.series("train")
         v_its, v_vals = c.series("valid")
-        window = vals[-max(1, len(vals) // 10):] if vals else []
+        window = last_window(its)
+        mean, std = _mean_std([c.train[i] for i in window]) if window else (None, None)
         row = {"run": c.name, "source": c.source, "train_points": len(its),
                "validation_points": len(v_its),
                "final_iteration": its[-1] if its else None,
                "final_loss": vals[-1] if vals else None,
-               "last_window_mean_loss": sum(window) / len(window) if window else None,
+               "window": [window[0], window[-1]] if window else None,
+               "window_mean_loss": mean, "window_std_loss": std,
                "final_validation_iteration": v_its[-1] if v_its else None,
                "final_validation_loss": v_vals[-1] if v_vals else None,
-               "compared_at_iteration": None, "gap_to_baseline": None,
-               "relative_gap_to_baseline": None, "validation_gap_to_baseline": None}
-        if base is not None:
-            it, v, b = _gap(c.train, base.train)
-            if it is not None:
-                row.update(compared_at_iteration=it, gap_to_baseline=v - b,
-                           relative_gap_to_baseline=(v - b) / b if b else None)
-            it, v, b = _gap(c.valid, base.valid)
-            if it is not None:
-                row["validation_gap_to_baseline"] = v - b
+               "gap_to_baseline": None, "gap_spread": None, "relative_gap_to_baseline": None,
+               "gap_within_noise": None, "gap_window": None, "gap_note": None,
+               "validation_difference_to_baseline": None,
+               "validation_compared_at_iteration": None}
+        if base is not None and c is not base:
+            row.update(gap(c.train, base.train))
+            common = sorted(set(c.valid) & set(base.valid))
+            if common:
+                # One evaluation: a difference at that iteration, not a gap.
+                row["validation_compared_at_iteration"] = common[-1]
+                row["validation_difference_to_baseline"] = (c.valid[common[-1]]
+                                                            - base.valid[common[-1]])
         rows.append(row)
     return {"baseline": baseline if base is not None else None,
             "baseline_found": base is not None,
+            "window_fraction": WINDOW_FRACTION, "min_window": MIN_WINDOW,
             "runs": {c.name: {"source": c.source,
                               "train": [[i, v] for i, v in zip(*c.series("train"))],
                               "validation": [[i, v] for i, v in zip(*c.series("valid"))]}
@@ -232,6 +271,11 @@ def plot_losses(curves: List[LossCurve], baseline: str, outdir: str,
     ax.grid(alpha=0.3, lw=0.5)
     ax.legend(fontsize=8, ncol=2)
     if rows == 2:
+        window = last_window(sorted(base.train))
+        if window:
+            for axis in axes[:, 0]:
+                axis.axvspan(window[0], window[-1], color="#adb5bd", alpha=0.25, lw=0,
+                             label="gap window" if axis is axes[1, 0] else None)
         axes[1, 0].axhline(0, color="black", lw=0.8)
         axes[1, 0].set_ylabel(f"relative to {baseline} [%]")
         axes[1, 0].set_title(f"Relative loss difference to {baseline}")
@@ -244,5 +288,7 @@ def plot_losses(curves: List[LossCurve], baseline: str, outdir: str,
     caption = "Training loss (lines) and validation loss (diamonds) against iteration"
     if rows == 2:
         caption += (f"; below, (loss - {baseline} loss) / {baseline} loss in percent at the "
-                    f"iterations both runs logged")
+                    f"iterations both runs logged. Grey: the window of the last "
+                    f"{WINDOW_FRACTION:.0%} of iterations (at least {MIN_WINDOW}) over which "
+                    f"gaps are averaged")
     return {"file": "loss_curves.png", "title": "Loss curves", "caption": caption + "."}

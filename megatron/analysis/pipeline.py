@@ -1,8 +1,9 @@
-"""The analysis run: captures + loss logs -> statistics.json/.txt, records.csv, PNGs, report.html.
+"""The analysis run: captures + loss logs + telemetry -> statistics.json/.txt, records.csv, PNGs, report.html.
 
 `analyze(options)` never raises for bad input: problems (missing or empty directories,
-truncated manifest lines, unknown format versions, unreadable records, requested schemes
-without data, unreadable loss logs) are logged, listed in statistics.json and the report, and
+truncated or malformed manifest lines, unknown format versions, unreadable records, requested
+schemes without data, unreadable loss logs, TensorBoard directories without telemetry) are
+logged, listed in statistics.json and the report, and
 whatever is valid is analysed. `AnalysisResult.produced` says whether anything was written.
 """
 
@@ -15,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megatron.analysis import losses as loss_mod
-from megatron.analysis import plots, report, statistics, textreport
-from megatron.analysis.loading import Problems, discover, read_capture
+from megatron.analysis import (plots, provenance, report, statistics, telemetry, telemetry_plots,
+                               textreport)
+from megatron.analysis.comparison import common_tensors
+from megatron.analysis.loading import Problems, read_captures
 from megatron.analysis.workers import BatchResult, run_batches
 
 log = logging.getLogger("megatron.analysis")
@@ -39,6 +42,7 @@ class Options:
     loss_logs: List[str] = field(default_factory=list)
     loss_dirs: List[str] = field(default_factory=list)
     loss_baseline: str = "bf16"
+    tensorboard_dirs: List[str] = field(default_factory=list)
     figures: bool = True
 
 
@@ -51,21 +55,28 @@ class AnalysisResult:
     problems: Problems
 
 
-def parse_int_list(text: Optional[str]) -> Optional[List[int]]:
-    """'1,3,5-8' -> [1, 3, 5, 6, 7, 8] (None stays None)."""
-    if text is None:
+def _telemetry(directories: List[str], quant_schemes: Optional[List[str]], problems: Problems):
+    """The quantization telemetry of the --tensorboard-dir directories (None without any)."""
+    if not directories:
         return None
-    out: List[int] = []
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part[1:]:
-            lo, hi = part.split("-", 1) if not part.startswith("-") else (part, part)
-            out.extend(range(int(lo), int(hi) + 1))
-        else:
-            out.append(int(part))
-    return out
+    for directory in directories:
+        if not os.path.exists(directory):
+            problems.add("missing_telemetry_source", f"TensorBoard directory {directory} does "
+                                                     "not exist")
+    present = [d for d in directories if os.path.exists(d)]
+    if not present:
+        return None
+    frame = telemetry.load_stats_frame(present, schemes=quant_schemes)
+    if frame.empty:
+        problems.add("empty_telemetry_source",
+                     f"no quantization telemetry (quant/... scalars) in {', '.join(present)}; "
+                     "training writes it with --quant-stats-interval N")
+    if frame.attrs.get("unparsed_tags"):
+        tags = frame.attrs["unparsed_tags"]
+        problems.add("bad_telemetry_tag", f"{len(tags)} quant/ tag(s) do not follow "
+                                          f"quant/<site>/<gemm>.<operand>/<metric> and are left "
+                                          f"out, e.g. {tags[0]!r}")
+    return frame
 
 
 def _wanted(label: str, wanted: List[str]) -> bool:
@@ -106,38 +117,12 @@ def _select(entries, options: Options, problems: Problems):
     return chosen
 
 
-def _disambiguate(captures) -> None:
-    """Captures of one scheme from different parent directories (e.g. a floor and an rceil
-    experiment) are kept apart as `scheme@parent`; directories under the same parent (several
-    runs appended to one capture) are merged."""
-    parents = {}
-    for capture in captures:
-        parents.setdefault(capture.quant_scheme, set()).add(
-            os.path.dirname(capture.directory.rstrip("/")))
-    for capture in captures:
-        if len(parents[capture.quant_scheme]) > 1:
-            parent = os.path.basename(os.path.dirname(capture.directory.rstrip("/")))
-            label = f"{capture.quant_scheme}@{parent}"
-            capture.quant_scheme = label
-            for entry in capture.entries:
-                entry.quant_scheme = label
-
-
 def analyze(options: Options) -> AnalysisResult:
     t_start = time.perf_counter()
     problems = Problems()
     outdir = options.output_dir
-    captures, entries = [], []
-    if options.tensor_dirs:
-        for directory in discover(options.tensor_dirs, problems):
-            capture = read_capture(directory, problems)
-            if not capture.entries:
-                problems.add("empty_capture", f"{directory}: the manifests list no valid "
-                                              f"records")
-            captures.append(capture)
-        _disambiguate(captures)
-        for capture in captures:
-            entries.extend(capture.entries)
+    captures = read_captures(options.tensor_dirs, problems) if options.tensor_dirs else []
+    entries = [entry for capture in captures for entry in capture.entries]
     log.info("%d capture directories, %d manifest records", len(captures), len(entries))
     selected = _select(entries, options, problems)
     t_manifest = time.perf_counter()
@@ -149,20 +134,28 @@ def analyze(options: Options) -> AnalysisResult:
     t_summary = time.perf_counter()
 
     curves = loss_mod.load_curves(options.loss_logs, options.loss_dirs, problems)
-    if not result.groups and not curves:
+    telemetry_frame = _telemetry(options.tensorboard_dirs, options.quant_schemes, problems)
+    has_telemetry = telemetry_frame is not None and not telemetry_frame.empty
+    if not result.groups and not curves and not has_telemetry:
         reason = ("no valid capture records" if options.tensor_dirs else "no capture directory")
         if options.loss_logs or options.loss_dirs:
             reason += " and no readable loss logs"
+        if options.tensorboard_dirs:
+            reason += " and no quantization telemetry"
         first = problems.items[0]["message"] if problems.items else "nothing to analyse"
         return AnalysisResult(False, f"{reason} ({first})", None, outdir, problems)
 
-    os.makedirs(os.path.join(outdir, "figures"), exist_ok=True)
+    figure_dir = os.path.join(outdir, "figures")
+    os.makedirs(figure_dir, exist_ok=True)
     figures = []
     schemes = statistics.quant_schemes_of(result.groups)
-    color_names = sorted(set(schemes) | {c.name for c in curves})
+    telemetry_schemes = sorted(telemetry_frame["scheme"].unique()) if has_telemetry else []
+    color_names = sorted(set(schemes) | {c.name for c in curves} | set(telemetry_schemes))
+    colors = plots.scheme_colors(color_names)
+    common = common_tensors(result.groups)
     if options.figures and result.groups:
-        figures = plots.make_all(result.groups, os.path.join(outdir, "figures"), schemes,
-                                 workers=options.workers, color_names=color_names)
+        figures = plots.make_all(result.groups, figure_dir, schemes, workers=options.workers,
+                                 color_names=color_names, common=common)
     losses_doc = None
     if curves:
         losses_doc = loss_mod.loss_table(curves, options.loss_baseline)
@@ -171,11 +164,16 @@ def analyze(options: Options) -> AnalysisResult:
                          f"loss baseline {options.loss_baseline} is not among the runs "
                          f"({', '.join(c.name for c in curves)}); no gaps computed")
         if options.figures:
-            fig = loss_mod.plot_losses(curves, options.loss_baseline,
-                                       os.path.join(outdir, "figures"),
-                                       colors=plots.scheme_colors(color_names))
+            fig = loss_mod.plot_losses(curves, options.loss_baseline, figure_dir, colors=colors)
             if fig:
                 figures.insert(0, fig)
+    telemetry_doc = None
+    if has_telemetry:
+        telemetry_doc = telemetry.summary(telemetry_frame, options.tensorboard_dirs)
+        if options.figures:
+            position = 1 if curves else 0
+            figures[position:position] = telemetry_plots.make_all(telemetry_frame, figure_dir,
+                                                                  colors)
     t_figures = time.perf_counter()
     timing = {"manifests_seconds": round(t_manifest - t_start, 3),
               "summaries_seconds": round(t_summary - t_manifest, 3),
@@ -190,13 +188,24 @@ def analyze(options: Options) -> AnalysisResult:
               "filters": {"layers": options.layers, "iterations": options.iterations,
                           "operations": options.operations, "max_records": options.max_records,
                           "manifest_only": options.manifest_only},
-              "loss_sources": [c.source for c in curves]}
-    doc = statistics.build(result, captures, problems, inputs, losses_doc, figures, timing)
+              "loss_sources": [c.source for c in curves],
+              "tensorboard_dirs": list(options.tensorboard_dirs)}
+    iterations = {}
+    for entry in selected:
+        iterations.setdefault(entry.quant_scheme, set()).add(entry.metadata["iteration"])
+    origin = provenance.build(captures, curves, schemes, iterations, telemetry_schemes)
+    outputs = ["statistics.json", "statistics.txt"] + (["records.csv"] if result.rows else []) \
+        + ["report.html"] + [f"figures/{f['file']}" for f in figures]
+    doc = statistics.build(result, captures, problems, inputs, losses_doc, figures, timing,
+                           provenance=origin, telemetry=telemetry_doc, outputs=outputs,
+                           common=common)
     statistics.write_json(os.path.join(outdir, "statistics.json"), doc)
     with open(os.path.join(outdir, "statistics.txt"), "w", encoding="utf-8") as f:
         f.write(textreport.render(doc))
-    statistics.write_records_csv(os.path.join(outdir, "records.csv"), result.rows)
+    if result.rows:
+        statistics.write_records_csv(os.path.join(outdir, "records.csv"), result.rows)
     report.write(doc, outdir)
-    log.info("wrote %s (statistics.json, statistics.txt, records.csv, report.html, %d figures) "
-             "in %.1f s", outdir, len(figures), time.perf_counter() - t_start)
+    log.info("wrote %s (%s) in %.1f s", outdir, ", ".join(o for o in outputs
+                                                         if not o.startswith("figures/"))
+             + f", {len(figures)} figures", time.perf_counter() - t_start)
     return AnalysisResult(True, None, doc, outdir, problems)

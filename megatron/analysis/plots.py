@@ -22,6 +22,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from megatron.analysis import forking  # noqa: E402
 from megatron.analysis.accumulators import SCALE_MIN, Stats  # noqa: E402
 from megatron.analysis.binning import bin_edges_log2  # noqa: E402
+from megatron.analysis.comparison import Common, common_tensors, tensor_id  # noqa: E402
 from megatron.analysis.hifp8 import SIDED_REGIONS, sided_counts_from_hist, zones_log2  # noqa: E402
 from megatron.analysis.ranges import format_ranges, known_formats  # noqa: E402
 from megatron.analysis.statistics import merge_by, tensor_class  # noqa: E402
@@ -208,7 +209,7 @@ def absolute_distributions(groups, outdir: str, colors) -> Optional[dict]:
         hists = {(scheme, op): s.hist for (c, scheme, op), s in merged.items() if c == cls}
         span = _nonzero_span(list(hists.values())) or (-30, 20)
         xlim = (max(span[0], -60), min(max(span[1], 0), 130))
-        _hifp8_zones(ax, xlim, alpha=0.35)
+        zone_handles = _hifp8_zones(ax, xlim, alpha=0.35)
         handles = []
         for (scheme, op), hist in sorted(hists.items()):
             if hist is None or not hist.any():
@@ -226,13 +227,18 @@ def absolute_distributions(groups, outdir: str, colors) -> Optional[dict]:
         ax.grid(alpha=0.3, lw=0.5)
         ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16),
                   ncol=2, frameon=False)
-    fig.suptitle("Magnitudes of all captured tensors (background: HiF8 mantissa-width regions)",
-                 fontsize=12)
+    fig.legend(handles=zone_handles, loc="outside lower center", ncol=len(zone_handles),
+               fontsize=7.5, frameon=False, title="background: HiF8 regions (unscaled)",
+               title_fontsize=8)
+    fig.suptitle("Magnitudes of the tensors every scheme captured (background: HiF8 "
+                 "mantissa-width regions)", fontsize=12)
     return {"file": _save(fig, outdir, "absolute_distributions.png"),
             "title": "Absolute magnitude distributions",
-            "caption": "log2|x| of every captured tensor by class (activations incl. attention "
+            "caption": "log2|x| of the captured tensors by class (activations incl. attention "
                        "operands, weights, gradients), per quant type; solid forward, dashed "
-                       "backward. The background shows where HiF8 would keep 3, 2 or 1 "
+                       "backward. Only tensors (layer, module, tensor name) that every scheme "
+                       "captured are drawn, so the curves compare the same tensors. The "
+                       "background (legend below) shows where HiF8 would keep 3, 2 or 1 "
                        "mantissa bits without scaling."}
 
 
@@ -244,6 +250,35 @@ _HEAT_METRICS = (
     ("saturated_fraction", "saturated [%]", "Reds", False),
     ("flushed_fraction", "flushed to zero [%]", "Blues", False),
 )
+
+
+# Cell size of the heat maps (inches) and the room taken by labels and colour bars.
+_HEAT_CELL_IN = (0.55, 0.32)
+_HEAT_MARGIN_IN = 3.0
+HEAT_FONT_PT = 8.0
+
+
+def _cell_text(metric: str, value: float) -> str:
+    """Short cell labels: whole dB, one decimal of log10 MSE, percentages with one decimal
+    (one significant digit below 0.1%)."""
+    if not np.isfinite(value):
+        return ""
+    if metric == "sqnr_db":
+        return f"{value:.0f}"
+    if metric == "mse":
+        return f"{value:.1f}"
+    if value == 0:
+        return "0"
+    if value < 0.1:
+        return f"{value:.1g}"
+    return f"{value:.1f}" if value < 10 else f"{value:.0f}"
+
+
+def _cells_fit(texts, cell_pt) -> bool:
+    """Whether every label fits its cell at HEAT_FONT_PT (digits are ~0.6 em wide)."""
+    longest = max((len(t) for row in texts for t in row), default=0)
+    return (longest * 0.6 * HEAT_FONT_PT + 4 <= cell_pt[0]
+            and HEAT_FONT_PT * 1.3 <= cell_pt[1])
 
 
 def _column_label(module: str, tensor: str) -> str:
@@ -277,12 +312,12 @@ def error_heatmap(groups, outdir: str, quant_scheme: str) -> Optional[dict]:
             elif name.endswith("fraction"):
                 v = 100.0 * v
             grid[name][i, j] = v
-    width = max(8.0, 0.42 * len(columns) + 3.0)
-    panel_h = 0.9 + 0.32 * len(layers)
+    width = max(8.0, _HEAT_CELL_IN[0] * len(columns) + _HEAT_MARGIN_IN)
+    panel_h = 0.9 + _HEAT_CELL_IN[1] * len(layers)
     fig, axes = plt.subplots(len(_HEAT_METRICS), 1, figsize=(width, panel_h * 4 + 2.2),
                              sharex=True, layout="constrained")
     ylabels = ["output" if layer == 0 else f"L{layer}" for layer in layers]
-    annotate = len(layers) * len(columns) <= 240
+    cell_pt = ((width - _HEAT_MARGIN_IN) * 72 / len(columns), _HEAT_CELL_IN[1] * 72)
     for ax, (name, label, cmap, _) in zip(axes, _HEAT_METRICS):
         data = grid[name]
         im = ax.imshow(data, aspect="auto", cmap=cmap, interpolation="nearest")
@@ -293,17 +328,17 @@ def error_heatmap(groups, outdir: str, quant_scheme: str) -> Optional[dict]:
         split = sum(1 for c in columns if c[0] == "forward")
         if 0 < split < len(columns):
             ax.axvline(split - 0.5, color="black", lw=2.5)
-        if annotate:
+        texts = [[_cell_text(name, v) for v in row] for row in data]
+        if _cells_fit(texts, cell_pt):
             finite = data[np.isfinite(data)]
             mid = (finite.min() + finite.max()) / 2 if finite.size else 0
             for i in range(data.shape[0]):
                 for j in range(data.shape[1]):
                     v = data[i, j]
-                    if np.isfinite(v):
+                    if texts[i][j]:
                         dark = (v < mid) if cmap in ("viridis",) else (v > mid)
-                        ax.text(j, i, f"{v:.2g}" if abs(v) < 100 else f"{v:.0f}",
-                                ha="center", va="center", fontsize=6.5,
-                                color="white" if dark else "black")
+                        ax.text(j, i, texts[i][j], ha="center", va="center",
+                                fontsize=HEAT_FONT_PT, color="white" if dark else "black")
     axes[-1].set_xticks(range(len(columns)),
                         [f"{_label(op)} · {_column_label(m, t)}" for op, m, t in columns],
                         rotation=60, ha="right", fontsize=8)
@@ -316,7 +351,10 @@ def error_heatmap(groups, outdir: str, quant_scheme: str) -> Optional[dict]:
                        "of the black line, backward right): SQNR in dB (higher is better), "
                        "log10 of the mean squared error, and the percentages of elements "
                        "saturated at the format's largest value and of nonzero elements "
-                       "flushed to zero. Blank: not captured or exact."}
+                       "flushed to zero. Blank: not captured or exact. Cell numbers are "
+                       "rounded (whole dB, one decimal of log10 MSE and of percentages, one "
+                       "significant digit under 0.1%) "
+                       "and left out when the cells are too small to read them."}
 
 
 # -- MX scale exponents -----------------------------------------------------------------------
@@ -333,23 +371,27 @@ def scale_exponents(groups, outdir: str, colors) -> Optional[dict]:
     fig, axes = plt.subplots(1, len(present), figsize=(5.4 * len(present), 4.8), squeeze=False,
                              layout="constrained")
     exps = np.arange(SCALE_MIN, SCALE_MIN + 255)
+    edges = np.append(exps, exps[-1] + 1) - 0.5
     handles = {}
     for ax, cls in zip(axes.flat, present):
-        lo, hi = 127, -127
-        for (c, scheme, fmt, op), s in merged.items():
-            if c != cls:
-                continue
+        mine = {k: v for k, v in merged.items() if k[0] == cls}
+        lo, hi = exponent_span([s.scale_hist for s in mine.values()])
+        top = 0.0
+        for (_, scheme, fmt, op), s in mine.items():
             h = s.scale_hist
-            nz = np.flatnonzero(h)
-            lo, hi = min(lo, exps[nz[0]]), max(hi, exps[nz[-1]])
             ls = "-" if op == "forward" else "--"
             label = f"{scheme} {fmt} ({_label(op)})"
             if s.nan_blocks:
                 label += f", {s.nan_blocks} NaN blocks"
-            line = ax.stairs(h / h.sum(), np.append(exps, exps[-1] + 1) - 0.5,
-                             color=colors[scheme], lw=1.5, ls=ls, label=label)
+            spike = int(h[0])
+            if spike and lo > SCALE_MIN:
+                label += f", {spike:,} blocks at -127 (off scale)"
+            share = h / h.sum()
+            top = max(top, float(share[lo - SCALE_MIN:hi - SCALE_MIN + 1].max()))
+            line = ax.stairs(share, edges, color=colors[scheme], lw=1.5, ls=ls, label=label)
             handles.setdefault(label, line)
         ax.set_xlim(lo - 2, hi + 2)
+        ax.set_ylim(0, top * 1.08 or 1.0)
         for limit in (-127, 127):
             if lo - 2 <= limit <= hi + 2:
                 line = ax.axvline(limit, color="#c1121f", ls=":", lw=1,
@@ -368,8 +410,19 @@ def scale_exponents(groups, outdir: str, colors) -> Optional[dict]:
             "caption": "Distribution of the per-block shared exponents (unbiased E8M0) of MX "
                        "operands, recomputed from the captured tensors with the run's scale "
                        "rule; solid forward, dashed backward. A wide spread means a large "
-                       "dynamic range across blocks; mass at -127 means all-zero or tiny "
-                       "blocks."}
+                       "dynamic range across blocks. Blocks at -127 (all zeros, e.g. masked "
+                       "attention gradients, or tiny values) are left off the axis, which "
+                       "spans the other exponents; the legend gives their count."}
+
+
+def exponent_span(hists) -> tuple:
+    """(lowest, highest) exponent to draw: the populated range without the -127 spike of
+    all-zero blocks (unless nothing else is populated)."""
+    total = np.sum(hists, axis=0)
+    nz = np.flatnonzero(total[1:]) + 1          # bin 0 is e = -127
+    if nz.size == 0:
+        return SCALE_MIN, SCALE_MIN
+    return SCALE_MIN + int(nz[0]), SCALE_MIN + int(nz[-1])
 
 
 # -- HiFP8 regions ----------------------------------------------------------------------------
@@ -377,28 +430,36 @@ def scale_exponents(groups, outdir: str, colors) -> Optional[dict]:
 def hifp8_regions(groups, outdir: str) -> Optional[dict]:
     """Stacked bars: share of values in each HiF8 precision region, per tensor class.
 
-    Rows: the HiF8-quantized operands of every HiFP8 scheme, then the same classes of one
-    reference scheme (bf16 if captured) as they would land if cast to HiF8 unscaled.
+    Rows: the HiF8-quantized operands of every HiFP8 scheme (those scaled per tensor twice:
+    as the grid saw them, hp * 2^k, and unscaled), then the same tensors of one reference
+    scheme (bf16 if captured) as they would land if cast to HiF8 unscaled.
     """
+    hif8_ids = {tensor_id(k) for k in groups if k.format == "hifp8"}
     merged = merge_by(groups, lambda k: (k.quant_scheme, tensor_class(k.tensor_name), k.operation,
-                                         k.format == "hifp8"))
+                                         k.format == "hifp8"),
+                      lambda k: not hif8_ids or tensor_id(k) in hif8_ids)
     merged = {k: v for k, v in merged.items() if v.hist is not None and v.hist.any()}
     hif8_schemes = sorted({k[0] for k in merged if k[3]})
     others = sorted({k[0] for k in merged if not k[3]} - set(hif8_schemes))
     reference = "bf16" if "bf16" in others else (others[0] if others else None)
     rows = []
     for (scheme, cls, op, is_hif8), s in merged.items():
-        if is_hif8:
-            label = f"{scheme} · {cls} ({_label(op)}) · HiF8 operands"
+        head = f"{scheme} · {cls} ({_label(op)})"
+        if is_hif8 and s.hifp8_scaled:
+            views = [(f"{head} · HiF8 operands as the grid saw them (scaled)", s.grid_hist),
+                     (f"{head} · same operands unscaled", s.hist)]
+        elif is_hif8:
+            views = [(f"{head} · HiF8 operands", s.hist)]
         elif scheme == reference:
-            label = f"{scheme} · {cls} ({_label(op)}) · if cast to HiF8"
+            views = [(f"{head} · if cast to HiF8", s.hist)]
         else:
             continue
-        counts = sided_counts_from_hist(s.hist)
-        rows.append((label, counts / counts.sum(), is_hif8, _rank(cls, _CLASSES), op))
+        for order, (label, hist) in enumerate(views):
+            counts = sided_counts_from_hist(hist)
+            rows.append((label, counts / counts.sum(), is_hif8, _rank(cls, _CLASSES), op, order))
     if not rows:
         return None
-    rows.sort(key=lambda r: (not r[2], r[0].split(" · ")[0], r[3], r[4] != "forward"))
+    rows.sort(key=lambda r: (not r[2], r[0].split(" · ")[0], r[3], r[4] != "forward", r[5]))
     fig, ax = plt.subplots(figsize=(11, 1.6 + 0.36 * len(rows)), layout="constrained")
     y = np.arange(len(rows))
     left = np.zeros(len(rows))
@@ -416,14 +477,19 @@ def hifp8_regions(groups, outdir: str) -> Optional[dict]:
     ax.set_xlim(0, 100)
     ax.set_xlabel("share of finite nonzero values [%]")
     ax.legend(ncol=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-    ax.set_title("HiF8 precision regions of captured values (no scaling)", pad=38)
+    scaled = any("(scaled)" in r[0] for r in rows)
+    ax.set_title("HiF8 precision regions of captured values" +
+                 (" (per-tensor scaled operands: as scaled and unscaled)" if scaled
+                  else " (no scaling)"), pad=38)
     return {"file": _save(fig, outdir, "hifp8_regions.png"),
             "title": "HiF8 precision regions",
             "caption": "Share of finite nonzero values in each region of HiF8's tapered "
                        "format: 3-bit mantissa for |x| in [2^-3, 2^4), 2-bit and 1-bit further "
                        "out on the small and large side, denormals [2^-23, 2^-15), underflow "
-                       "below 2^-23 and overflow from 40960. Rows marked 'if cast to HiF8' "
-                       "show a run that did not use HiF8, for comparison."}
+                       "below 2^-23 and overflow from 40960. Operands quantized with a "
+                       "per-tensor scale 2^k appear twice: as the HiF8 grid saw them (hp * 2^k) "
+                       "and unscaled. Rows marked 'if cast to HiF8' show the same tensors of a "
+                       "run that did not use HiF8, for comparison."}
 
 
 # -- forward vs backward ----------------------------------------------------------------------
@@ -581,43 +647,63 @@ def format_overview(groups, outdir: str, colors) -> Optional[dict]:
                        "(hatched). Each 6 dB is one more effective bit."}
 
 
-# Figures in report order: (function, passes colours, one per scheme).
+# Figures in report order: (function, passes colours, one per scheme, groups drawn).
+# Groups: "all"; "shared": the tensors every scheme captured; "quantized": the operands every
+# quantized scheme quantized (figures that put schemes side by side compare like with like).
 _FIGURES = (
-    ("format_overview", True, False), ("value_distributions", True, False),
-    ("absolute_distributions", True, False), ("error_heatmap", False, True),
-    ("scale_exponents", True, False), ("hifp8_regions", False, False),
-    ("forward_backward", True, False), ("forward_backward_layers", True, False),
-    ("layer_absmax", True, False),
+    ("format_overview", True, False, "quantized"),
+    ("value_distributions", True, False, "quantized"),
+    ("absolute_distributions", True, False, "shared"),
+    ("error_heatmap", False, True, "all"),
+    ("scale_exponents", True, False, "quantized"),
+    ("hifp8_regions", False, False, "all"),
+    ("forward_backward", True, False, "quantized"),
+    ("forward_backward_layers", True, False, "quantized"),
+    ("layer_absmax", True, False, "shared"),
 )
+_RESTRICTED = {
+    "shared": " Drawn over the tensors (layer, module, tensor name) every scheme captured; "
+              "the others are listed in the report's comparison section.",
+    "quantized": " Drawn over the operands every quantized scheme quantized; the others are "
+                 "listed in the report's comparison section.",
+}
 _SHARED = {}   # the groups, inherited by forked figure workers instead of being pickled
 
 
 def _render(task):
-    name, arg = task
-    groups, outdir, colors = _SHARED["groups"], _SHARED["outdir"], _SHARED["colors"]
+    name, arg, which = task
+    groups, outdir, colors = _SHARED[which], _SHARED["outdir"], _SHARED["colors"]
     fn = globals()[name]
     if name == "error_heatmap":
-        return fn(groups, outdir, arg)
-    return fn(groups, outdir, colors) if arg is True else fn(groups, outdir)
+        figure = fn(groups, outdir, arg)
+    else:
+        figure = fn(groups, outdir, colors) if arg is True else fn(groups, outdir)
+    if figure is not None and which in _RESTRICTED and len(groups) < len(_SHARED["all"]):
+        figure["caption"] += _RESTRICTED[which]
+    return figure
 
 
 def make_all(groups, outdir: str, quant_schemes: Sequence[str], workers: int = 1,
-             color_names: Optional[Sequence[str]] = None) -> List[dict]:
+             color_names: Optional[Sequence[str]] = None,
+             common: Optional[Common] = None) -> List[dict]:
     """Every capture figure, in report order (losses are drawn by losses.plot_losses).
 
     Figures are independent, so with workers > 1 they are drawn in forked processes.
     `color_names`: every name that gets a colour (schemes and loss runs), so one scheme
-    has the same colour in every figure.
+    has the same colour in every figure. `common`: the tensors shared by the schemes
+    (default: computed from `groups`).
     """
     os.makedirs(outdir, exist_ok=True)
-    _SHARED.update(groups=groups, outdir=outdir,
+    common = common or common_tensors(groups)
+    _SHARED.update(all=groups, shared=common.all_schemes(groups),
+                   quantized=common.quantized_operands(groups), outdir=outdir,
                    colors=scheme_colors(color_names or quant_schemes))
     tasks = []
-    for name, with_colors, per_scheme in _FIGURES:
+    for name, with_colors, per_scheme, which in _FIGURES:
         if per_scheme:
-            tasks.extend((name, scheme) for scheme in sorted(quant_schemes))
+            tasks.extend((name, scheme, which) for scheme in sorted(quant_schemes))
         else:
-            tasks.append((name, with_colors))
+            tasks.append((name, with_colors, which))
     try:
         if workers > 1 and forking.fork_available():   # the groups reach children by fork
             with forking.pool(workers) as pool:

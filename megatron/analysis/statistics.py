@@ -19,10 +19,12 @@ import numpy as np
 
 from megatron.analysis.accumulators import Stats
 from megatron.analysis.binning import E_MAX, E_MIN, NBINS, SUB, bin_edges_log2
+from megatron.analysis.comparison import common_tensors, comparison_section
+from megatron.analysis.loading import INCOMPLETE_RUN
 from megatron.analysis.ranges import format_ranges
 from megatron.analysis.workers import KEY_FIELDS, GroupKey
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 OPERATIONS = ("forward", "backward")
 GEMMS = ("fprop", "dgrad", "wgrad")
 
@@ -134,15 +136,20 @@ def consistency_section(rows: List[dict]) -> dict:
 
 
 def build(result, captures, problems, inputs: dict, losses: Optional[dict] = None,
-          figures: Optional[List[dict]] = None, timing: Optional[dict] = None) -> dict:
+          figures: Optional[List[dict]] = None, timing: Optional[dict] = None,
+          provenance: Optional[dict] = None, telemetry: Optional[dict] = None,
+          outputs: Optional[List[str]] = None, common=None) -> dict:
     """The statistics.json document (see docs/analysis.md)."""
     groups = result.groups
     schemes = quant_schemes_of(groups)
     formats = sorted({k.format for k in groups})
+    common = common or common_tensors(groups)
     doc = OrderedDict()
     doc["schema_version"] = SCHEMA_VERSION
     doc["generated_at"] = datetime.now().isoformat(timespec="seconds")
     doc["inputs"] = inputs
+    doc["provenance"] = provenance
+    doc["outputs"] = outputs or []
     doc["histogram_layout"] = {
         "bins_per_binade": SUB, "e_min": E_MIN, "e_max": E_MAX, "bins": NBINS,
         "bin": "bin i = (E - e_min) * 4 + k holds |x| in [2^E (1 + k/4), 2^E (1 + (k+1)/4))",
@@ -154,11 +161,19 @@ def build(result, captures, problems, inputs: dict, losses: Optional[dict] = Non
         section["capture"] = _capture_summary(scheme, captures, result)
         section.update(quant_scheme_section(groups, scheme))
         doc[OUTPUT_SCHEMES_KEY][scheme] = section
-    doc["format_comparison"] = format_comparison(groups)
+    doc["comparison"] = comparison_section(groups, common)
+    shared = common.all_schemes(groups)
+    doc["comparison"]["by_tensor_class"] = {
+        scheme: _metrics_map(merge_by(shared, lambda k: tensor_class(k.tensor_name),
+                                      lambda k, s=scheme: k.quant_scheme == s))
+        for scheme in common.schemes}
+    doc["format_comparison"] = format_comparison(common.quantized_operands(groups))
+    doc["format_comparison_all"] = format_comparison(groups)
     doc["groups"] = [dict(zip(OUTPUT_KEY_FIELDS, key), metrics=stats.metrics())
                      for key, stats in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))]
     doc["histograms"] = histogram_entries(groups)
     doc["losses"] = losses
+    doc["telemetry"] = telemetry
     doc["consistency"] = consistency_section(result.rows)
     doc["problems"] = list(problems.items)
     doc["figures"] = figures or []
@@ -167,7 +182,7 @@ def build(result, captures, problems, inputs: dict, losses: Optional[dict] = Non
 
 
 def format_comparison(groups: Dict[GroupKey, Stats]) -> List[dict]:
-    """One row per (scheme, format, operation) of quantized operands: the headline table."""
+    """One row per (scheme, format, operation) of the quantized operands among `groups`."""
     rows = []
     merged = merge_by(groups, lambda k: (k.quant_scheme, k.format, k.operation),
                       lambda k: k.format != "none")
@@ -200,8 +215,11 @@ def _capture_summary(quant_scheme: str, captures, result) -> dict:
                                                   "collect_micro_batches", "world_size",
                                                   "start_time", "quant_config")})
     summaries = [s for c in mine for s in c.summaries]
+    reasons = [reason for c in mine for reason in c.incomplete]
     return {
         "directories": [c.directory for c in mine],
+        "status": INCOMPLETE_RUN if reasons else "complete",
+        "incomplete_reasons": reasons,
         "runs": runs,
         "manifest_records": sum(len(c.entries) for c in mine),
         "analysed_records": sum(1 for r in result.rows if r["quant_scheme"] == quant_scheme),

@@ -275,12 +275,14 @@ def shared_exponents(amax: np.ndarray, fmt: FormatRanges, scale_mode: str) -> np
 
 
 def summarize_manifest_only(tensor_info: dict, quant_error: Optional[dict],
-                            fmt: FormatRanges) -> Stats:
+                            fmt: FormatRanges, hifp8_scaled: bool = False) -> Stats:
     """Approximate `Stats` of a record saved without tensors, from its manifest statistics.
 
     Sums are reconstructed from mean/std (population std) and the error sums from mse and
     sqnr_db; value histograms are unavailable (E8M0 exponents and HiF8 regions are taken from
-    the manifest when present).
+    the manifest when present). For HiF8 records the writer's `hifp8_regions` are those the
+    grid saw; of a record scaled per tensor (`hifp8_scaled`), `hifp8_regions_unscaled` are
+    those of the unscaled values.
     """
     st = Stats()
     st.records = 1
@@ -323,9 +325,13 @@ def summarize_manifest_only(tensor_info: dict, quant_error: Optional[dict],
             st.add_array("scale_hist", scale_hist_from_manifest(hist))
             st.nan_blocks = int(quant_error.get("nan_blocks") or 0)
             st.blocks = int(sum(hist["counts"])) + st.nan_blocks
-        regions = quant_error.get("hifp8_regions")
-        if regions:
-            st.add_array("regions", regions_from_fractions(regions, nonzero))
+        grid = quant_error.get("hifp8_regions")
+        unscaled = quant_error.get("hifp8_regions_unscaled") if hifp8_scaled else grid
+        if unscaled:
+            st.add_array("regions", regions_from_fractions(unscaled, nonzero))
+        if grid and fmt.kind == "hifp8":
+            st.add_array("grid_regions", regions_from_fractions(grid, nonzero))
+            st.hifp8_scaled = int(hifp8_scaled)
         st.close_record()
     return st
 

@@ -5,9 +5,13 @@ summary and full-mode record files for a small transformer-shaped set of GEMM op
 linear layers (input / weight / grad_output and their wgrad/dgrad re-quantized copies, plus
 unquantized outputs and gradients) and core attention (query, key, probs, value, grad_scores).
 Quantized copies come from the format library's `fake_quantize` with the record's own axis,
-scale mode and saturation, so records are what a training run would write. Values are drawn
-with heavy tails, per-layer scales, occasional outliers and exact zeros so that saturation,
-flushing and HiF8's regions are all exercised.
+scale mode and saturation, so records are what a training run would write; as in training,
+the copies a backward GEMM re-quantizes (`*_dgrad`, `*_wgrad`) exist only where that GEMM
+quantizes. Values are drawn with heavy tails, per-layer scales, occasional outliers and exact
+zeros so that saturation, flushing and HiF8's regions are all exercised. With
+`hifp8_scaling="tensor"`, HiF8 operands are quantized with one per-tensor power-of-two scale
+(`hifp8_scaled_fake_quantize`) and carry the metadata keys `hifp8_scaling` and
+`hifp8_scale_exponent`, as training writes them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.quantization.formats import canonical_format, fake_quantize
+from megatron.quantization.formats import (canonical_format, fake_quantize,
+                                          hifp8_scale_exponent, hifp8_scaled_fake_quantize)
 from megatron.quantization.schemes import scheme_formats as scheme_site_formats
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture.roles import role_for
@@ -122,25 +127,23 @@ def _values(role: Role, shape, layer: int, gen: torch.Generator) -> torch.Tensor
     return x
 
 
-def _tensor_stats(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str, axis, scale_mode):
-    """tensor_info / quant_error as the capture writer computes them."""
-    info = tensor_info(x)
-    err = quant_error(x, q, fmt, axis, scale_mode) if q is not None else None
-    return info, err
-
-
 def write_capture(root: str, quant_schemes: Sequence[str] = ("bf16", "FA_linear_mxfp8"),
                   layers: int = 2, iterations: Iterable[int] = (1,), micro_batches: int = 1,
                   seq: int = 16, batch: int = 2, hidden: int = 64, ffn: int = 128,
                   heads: int = 4, groups: int = 2, dtype: torch.dtype = torch.bfloat16,
                   scale_mode: str = "floor", seed: int = 0, run_id: str = "20260101_000000",
                   reuse_tensors: bool = False, modules: Sequence[str] = LINEAR_MODULES,
-                  attention: bool = True) -> Dict[str, List[str]]:
+                  attention: bool = True, hifp8_scaling: str = "none",
+                  run_args: Optional[dict] = None) -> Dict[str, List[str]]:
     """Write a full-mode capture under `root`; returns {quant_scheme: [record paths]}.
 
     `reuse_tensors` draws each (layer, module, role) once and saves it for every iteration
-    and micro-batch (fast generation of large captures for benchmarks).
+    and micro-batch (fast generation of large captures for benchmarks). `hifp8_scaling`:
+    "none" or "tensor" (per-tensor scaled HiF8 operands). `run_args` are added to the run
+    file's `args` (the training flags a real run records).
     """
+    if hifp8_scaling not in ("none", "tensor"):
+        raise ValueError(f"hifp8_scaling must be 'none' or 'tensor', got {hifp8_scaling!r}")
     iterations = tuple(iterations)
     dims = dict(seq=seq, batch=batch, hidden=hidden, ffn=ffn, heads=heads, groups=groups)
     written: Dict[str, List[str]] = {}
@@ -151,7 +154,8 @@ def write_capture(root: str, quant_schemes: Sequence[str] = ("bf16", "FA_linear_
         run = {"format_version": capture_format.FORMAT_VERSION, "run_id": run_id,
                capture_format.SCHEME_KEY: scheme, "mode": "full",
                "control_iter": max(iterations), "collect_micro_batches": micro_batches,
-               "world_size": 1, "args": {"num_layers": layers, "hidden_size": hidden},
+               "world_size": 1,
+               "args": {"num_layers": layers, "hidden_size": hidden, **(run_args or {})},
                "quant_config": f"synthetic capture, linear={lin_fmt}, attention={attn_fmt}",
                "start_time": datetime(2026, 1, 1).isoformat()}
         with open(capture_format.run_file(directory, run_id), "w") as f:
@@ -171,17 +175,20 @@ def write_capture(root: str, quant_schemes: Sequence[str] = ("bf16", "FA_linear_
                                           attn_fmt))
                         for module, component, roles, fmt in sites:
                             for role in roles:
+                                if _requantized_copy(role) and not _quantized(role, fmt):
+                                    continue     # recorded only when its GEMM quantizes it
                                 key = (layer, module, role.tensor_name)
                                 if reuse_tensors and key in cache:
-                                    x, q, meta_fmt, info, err = cache[key]
+                                    x, q, meta_fmt, info, err, k = cache[key]
                                 else:
-                                    x, q, meta_fmt, info, err = _operand(
-                                        role, dims, module, layer, gen, dtype, fmt, scale_mode)
-                                    cache[key] = (x, q, meta_fmt, info, err)
+                                    x, q, meta_fmt, info, err, k = _operand(
+                                        role, dims, module, layer, gen, dtype, fmt, scale_mode,
+                                        hifp8_scaling)
+                                    cache[key] = (x, q, meta_fmt, info, err, k)
                                 counter += 1
                                 meta = _metadata(run_id, counter, scheme, layer, module,
                                                  component, role, iteration, mb, meta_fmt,
-                                                 scale_mode)
+                                                 scale_mode, k)
                                 path = _write_record(directory, run_id, counter, module, meta,
                                                      x, q, info, err)
                                 nbytes = os.path.getsize(path)
@@ -199,21 +206,39 @@ def write_capture(root: str, quant_schemes: Sequence[str] = ("bf16", "FA_linear_
     return written
 
 
-def _operand(role: Role, dims, module, layer, gen, dtype, fmt, scale_mode):
-    """(x, quantized x or None, its format, tensor_info, quant_error) of one operand."""
-    x = _values(role, _shape(role.shape, dims, module), layer, gen).to(dtype)
+def _quantized(role: Role, fmt: str) -> bool:
     # PV stays high precision in FA_ schemes (QK^T only).
-    quantized = fmt != "none" and role.axis is not None and role.site_kind != "attn_pv"
+    return fmt != "none" and role.axis is not None and role.site_kind != "attn_pv"
+
+
+def _requantized_copy(role: Role) -> bool:
+    """An operand a backward GEMM quantizes again (`input_wgrad`, `weight_dgrad`, ...)."""
+    return role.tensor_name.endswith(("_dgrad", "_wgrad"))
+
+
+def _operand(role: Role, dims, module, layer, gen, dtype, fmt, scale_mode, hifp8_scaling):
+    """(x, quantized x or None, its format, tensor_info, quant_error, HiF8 scale exponent k or
+    None) of one operand."""
+    x = _values(role, _shape(role.shape, dims, module), layer, gen).to(dtype)
+    quantized = _quantized(role, fmt)
     meta_fmt = fmt if quantized else "none"
-    saturate = True if meta_fmt == "hifp8" else None
-    q = fake_quantize(x, meta_fmt, axis=role.axis, scale_mode=scale_mode,
-                      saturate=saturate) if quantized else None
-    info, err = _tensor_stats(x, q, meta_fmt, role.axis, scale_mode)
-    return x, q, meta_fmt, info, err
+    k = None
+    if meta_fmt == "hifp8" and hifp8_scaling == "tensor":
+        k = int(hifp8_scale_exponent(x))
+        q = hifp8_scaled_fake_quantize(x)
+    elif quantized:
+        q = fake_quantize(x, meta_fmt, axis=role.axis, scale_mode=scale_mode,
+                          saturate=True if meta_fmt == "hifp8" else None)
+    else:
+        q = None
+    info = tensor_info(x)
+    err = quant_error(x, q, meta_fmt, role.axis, scale_mode, hifp8_scale_exponent=k) \
+        if q is not None else None
+    return x, q, meta_fmt, info, err, k
 
 
 def _metadata(run_id, counter, scheme, layer, module, component, role, iteration, mb,
-              fmt, scale_mode):
+              fmt, scale_mode, hifp8_k=None):
     path = (f"decoder.layers.{layer - 1}.self_attention.core_attention" if component ==
             "attention" else f"decoder.layers.{layer - 1}.mlp.{module}")
     meta = {
@@ -230,6 +255,9 @@ def _metadata(run_id, counter, scheme, layer, module, component, role, iteration
         meta["scale_mode"] = scale_mode
         if fmt == "hifp8":
             meta["saturate"] = True
+            meta["hifp8_scaling"] = "none" if hifp8_k is None else "tensor"
+            if hifp8_k is not None:
+                meta["hifp8_scale_exponent"] = hifp8_k
     return meta
 
 

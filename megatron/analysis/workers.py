@@ -19,12 +19,13 @@ import torch
 
 from megatron.analysis import forking
 from megatron.analysis.accumulators import Stats
-from megatron.analysis.loading import Entry, check_record, finite_or_none, load_record
+from megatron.analysis.hifp8 import add_grid_histogram, hifp8_scale_exponent, hifp8_seen_by_grid
+from megatron.analysis.loading import (Entry, UnreadableRecord, check_record, finite_or_none,
+                                      load_record)
 from megatron.analysis.progress import Progress
 from megatron.analysis.ranges import format_ranges
 from megatron.analysis.summarize import summarize_manifest_only, summarize_tensors
 from megatron.tensor_capture.format import short_module_name
-from megatron.tensor_capture.load import RecordError
 
 log = logging.getLogger("megatron.analysis")
 
@@ -93,33 +94,35 @@ def summarize_entry(entry: Entry, result: BatchResult, use_tensors: bool = True)
     stats = None
     if entry.path and use_tensors:
         try:
-            record = load_record(entry.path)
+            record = load_record(entry.path, entry.directory)
         except Exception as exc:  # a missing or corrupt file must not stop the analysis
-            reason = str(exc) if isinstance(exc, RecordError) else f"{entry.path}: {exc}"
+            reason = str(exc) if isinstance(exc, UnreadableRecord) else f"{entry.path}: {exc}"
             result.problems.append(_problem("unreadable_record", f"{reason}; skipped"))
             return
         t1 = time.perf_counter()
         result.seconds_load += t1 - t0
-        why = check_record(record, entry.path)
+        why = check_record(record, entry.path, m)
         if why:
             result.problems.append(_problem("bad_record", why))
             return
-        quantized = record.get("quantized") if fmt.quantized else None
-        meta = record.get("metadata") or m
-        axis = meta.get("axis", m.get("axis"))
+        # The manifest line (validated) describes the record; its copy inside the file is the
+        # same dict as written.
+        axis, k = m.get("axis"), hifp8_scale_exponent(m)
         try:
-            stats = summarize_tensors(record["tensor"], quantized, fmt,
+            stats = summarize_tensors(record["tensor"], record.get("quantized") if fmt.quantized
+                                      else None, hifp8_seen_by_grid(fmt, k),
                                       axis=-1 if axis is None else int(axis),
-                                      scale_mode=str(meta.get("scale_mode") or "floor"))
+                                      scale_mode=str(m.get("scale_mode") or "floor"))
         except Exception as exc:
             result.problems.append(_problem("bad_record", f"{entry.path}: {exc}; skipped"))
             return
         del record
+        add_grid_histogram(stats, fmt, k)
         result.seconds_compute += time.perf_counter() - t1
         result.bytes += entry.bytes or _file_size(entry.path)
     else:
         stats = summarize_manifest_only(entry.tensor_info, entry.quant_error if fmt.quantized
-                                        else None, fmt)
+                                        else None, fmt, hifp8_scale_exponent(m) is not None)
     stats.bytes = entry.bytes
     result.records += 1
     if key in result.groups:

@@ -1,0 +1,238 @@
+"""The report's tables, built once from statistics.json and rendered by textreport (plain
+text) and report (HTML): a title, notes, headers and rows of (value, kind) cells."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+from megatron.analysis import provenance
+from megatron.analysis.statistics import OUTPUT_SCHEME_KEY, OUTPUT_SCHEMES_KEY
+
+Cell = Tuple[object, str]       # (value, kind): kind "text", "int", "pct", "pct100", "db", "g"
+REGION_KEYS = ("underflow", "denormal", "mant1", "mant2", "mant3", "overflow")
+REGION_HEADERS = ["underflow", "denormal", "1-bit mant", "2-bit mant", "3-bit mant", "overflow"]
+
+
+@dataclass
+class Table:
+    key: str
+    title: str
+    headers: List[str]
+    rows: List[List[Cell]]
+    notes: List[str] = field(default_factory=list)
+
+
+def fmt(value, kind: str = "g") -> str:
+    """A cell as plain text ("-" for missing values)."""
+    if value is None:
+        return "-"
+    if kind == "text" or isinstance(value, str):
+        return str(value)
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if kind == "pct":
+        return f"{100.0 * value:.4g}%"
+    if kind == "pct100":
+        return f"{value:.4g}%"
+    if kind == "db":
+        return f"{value:.2f}"
+    if kind == "int":
+        return f"{int(value):,}"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _t(value) -> Cell:
+    return (value, "text")
+
+
+def _left_out_note(left_out: dict, what: str) -> Optional[str]:
+    if not left_out:
+        return None
+    parts = [f"{scheme}: {item['records']:,} records ({', '.join(item['tensor_names'])})"
+             for scheme, item in sorted(left_out.items())]
+    return f"Left out as {what}: " + "; ".join(parts) + "."
+
+
+def run_table(doc: dict) -> Optional[Table]:
+    rows = [[_t(label), _t(value)] for label, value in provenance.lines(doc.get("provenance"))]
+    return Table("run", "Run", ["item", "value"], rows) if rows else None
+
+
+def captures_table(doc: dict) -> Optional[Table]:
+    schemes = doc.get(OUTPUT_SCHEMES_KEY) or {}
+    if not schemes:
+        return None
+    comparison = doc.get("comparison") or {}
+    shared = comparison.get("per_scheme") or {}
+    rows = []
+    for scheme, sec in schemes.items():
+        cap, overall = sec["capture"], sec["overall"] or {}
+        same = shared.get(scheme) or {}
+        quant = (same.get("quantization") or {})
+        rows.append([_t(scheme), _t(cap.get("status", "complete")),
+                     (cap["manifest_records"], "int"),
+                     (overall.get("records_with_tensors"), "int"),
+                     (same.get("records"), "int"), (same.get("elements"), "int"),
+                     (same.get("absmax"), "g"), (same.get("kurtosis"), "g"),
+                     ((sec.get("quantized") or {}).get("records"), "int"),
+                     (quant.get("sqnr_db"), "db")])
+    notes = []
+    if len(schemes) > 1:
+        notes.append(f"Columns from 'compared' on are over the "
+                     f"{comparison.get('tensors_in_every_scheme', 0)} tensors (layer, module, "
+                     f"tensor name) every scheme captured, so schemes are compared on the same "
+                     f"tensors; quantized records count all of a scheme's quantized operands.")
+        note = _left_out_note(comparison.get("left_out") or {}, "not captured by every scheme")
+        if note:
+            notes.append(note)
+    return Table("captures", "Captures", ["quant type", "status", "records", "with tensors",
+                                          "compared", "elements", "absmax", "kurtosis",
+                                          "quantized records", "SQNR dB (quantized)"],
+                 rows, notes)
+
+
+def format_table(doc: dict) -> Optional[Table]:
+    comp = doc.get("format_comparison") or []
+    if not comp:
+        return None
+    rows = [[_t(r[OUTPUT_SCHEME_KEY]), _t(r["format"]), _t(r["operation"]),
+             (r["records"], "int"), (r["sqnr_db"], "db"), (r["mse"], "g"),
+             (r["relative_error"], "g"), (r["saturated_fraction"], "pct"),
+             (r["flushed_fraction"], "pct"), (r["nonfinite_fraction"], "pct")] for r in comp]
+    comparison = doc.get("comparison") or {}
+    notes = []
+    if len(comparison.get("quantized_schemes") or []) > 1:
+        notes.append(f"Over the {comparison['quantized_operands_in_every_quantized_scheme']} "
+                     "operands (layer, module, tensor name) every quantized scheme quantized; "
+                     "statistics.json's format_comparison_all has every operand.")
+        note = _left_out_note(comparison.get("left_out_quantized") or {},
+                              "not quantized by every quantized scheme")
+        if note:
+            notes.append(note)
+    return Table("format_comparison", "Quantization error by format (quantized operands)",
+                 ["quant type", "format", "operation", "records", "SQNR dB", "MSE",
+                  "rel. error", "saturated", "flushed", "non-finite"], rows, notes)
+
+
+def tensor_tables(doc: dict) -> List[Table]:
+    out = []
+    for scheme, sec in (doc.get(OUTPUT_SCHEMES_KEY) or {}).items():
+        rows = []
+        for name, m in (sec.get("by_tensor") or {}).items():
+            q = m.get("quantization") or {}
+            scale = q.get("scale_exponent")
+            rows.append([_t(name), (m["records"], "int"), (m["absmax"], "g"), (m["std"], "g"),
+                         (m["dynamic_range_binades"], "g"), (q.get("sqnr_db"), "db"),
+                         (q.get("saturated_fraction"), "pct"),
+                         (q.get("flushed_fraction"), "pct"),
+                         _t(f"{scale['min']}..{scale['max']}" if scale else None)])
+        if rows:
+            out.append(Table(f"tensors_{scheme}", f"{scheme}: per tensor",
+                             ["tensor", "records", "absmax", "std", "range (binades)",
+                              "SQNR dB", "saturated", "flushed", "E8M0 exps"], rows))
+    return out
+
+
+def hifp8_table(doc: dict) -> Optional[Table]:
+    rows = []
+    scaled_any = False
+    by_class = (doc.get("comparison") or {}).get("by_tensor_class") or {}
+    for scheme, classes in by_class.items():
+        for cls, m in classes.items():
+            views = []
+            if m.get("hifp8_scaled_records") and m.get("hifp8_grid_regions"):
+                scaled_any = True
+                views.append((f"HiF8 grid (scaled x2^k, {m['hifp8_scaled_records']} records)",
+                              m["hifp8_grid_regions"]))
+                views.append(("unscaled values", m.get("hifp8_regions")))
+            else:
+                views.append(("unscaled values", m.get("hifp8_regions")))
+            for view, regions in views:
+                if regions:
+                    rows.append([_t(scheme), _t(cls), _t(view)] +
+                                [(regions[k], "pct") for k in REGION_KEYS])
+    if not rows:
+        return None
+    notes = ["Share of finite nonzero values per region of HiF8's tapered format, over the "
+             "tensors every scheme captured. 'unscaled values' are where the captured values "
+             "fall on HiF8's grid as they are"]
+    if scaled_any:
+        notes[0] += ("; 'HiF8 grid' rows are the HiF8 operands quantized with a per-tensor "
+                     "scale, as the grid saw them (hp * 2^k)")
+    notes[0] += "."
+    return Table("hifp8_regions", "HiF8 precision regions", ["quant type", "tensors", "values"]
+                 + REGION_HEADERS, rows, notes)
+
+
+def loss_table(doc: dict) -> Optional[Table]:
+    losses = doc.get("losses") or {}
+    if not losses.get("table"):
+        return None
+    rows = []
+    for r in losses["table"]:
+        window = r.get("gap_window") or r.get("window")
+        mean_std = (None if r.get("window_mean_loss") is None else
+                    f"{fmt(r['window_mean_loss'])} ± {fmt(r['window_std_loss'])}")
+        validation = None
+        if r.get("validation_difference_to_baseline") is not None:
+            validation = (f"{fmt(r['validation_difference_to_baseline'])} "
+                          f"(it {r['validation_compared_at_iteration']})")
+        rows.append([_t(r["run"]), (r["final_iteration"], "int"), (r["final_loss"], "g"),
+                     _t(f"{window[0]}-{window[1]}" if window else None), _t(mean_std),
+                     (r.get("gap_to_baseline"), "g"), (r.get("gap_spread"), "g"),
+                     (r.get("relative_gap_to_baseline"), "pct"), _t(r.get("gap_note")),
+                     (r["final_validation_loss"], "g"), _t(validation)])
+    base = losses.get("baseline") or "(baseline not found)"
+    notes = [f"gap = mean loss minus {base}'s mean loss over the last "
+             f"{100 * losses.get('window_fraction', 0.1):.0f}% of the iterations both runs "
+             f"logged (at least {losses.get('min_window', 3)}); spread = "
+             "sqrt(std_run^2 + std_baseline^2) over that window (sample std); a gap within "
+             "the spread is within run-to-run noise. Validation: the difference at the last "
+             "common evaluation (one point, not a gap)."]
+    return Table("losses", f"Loss gap to {base}",
+                 ["run", "last iteration", "final loss", "window", "mean ± std", "gap",
+                  "spread", "rel. gap", "note", "validation loss", "validation difference"],
+                 rows, notes)
+
+
+def _where(item: Optional[dict], with_step: bool = True) -> Optional[str]:
+    if not item:
+        return None
+    step = f", it {item['step']}" if with_step else ""
+    return f"{item['site']} {item['operand']}{step}"
+
+
+def telemetry_table(doc: dict) -> Optional[Table]:
+    telemetry = doc.get("telemetry") or {}
+    if not telemetry.get("schemes"):
+        return None
+    rows = []
+    for scheme, s in telemetry["schemes"].items():
+        worst = s.get("worst_sqnr_db_at_last_step") or {}
+        sat = s.get("max_saturated_pct") or {}
+        flushed = s.get("max_flushed_pct") or {}
+        rows.append([_t(scheme), _t(f"{s['steps'][0]}-{s['steps'][1]} ({s['points']})"),
+                     (s["quantized_operands"], "int"),
+                     (s.get("mean_sqnr_db_at_last_step"), "db"), (worst.get("value"), "db"),
+                     _t(_where(worst or None, with_step=False)),
+                     (sat.get("value"), "pct100"), _t(_where(sat or None)),
+                     (flushed.get("value"), "pct100"), _t(_where(flushed or None)),
+                     ((s.get("max_amax") or {}).get("value"), "g")])
+    return Table("telemetry", "Quantization telemetry (TensorBoard)",
+                 ["quant type", "iterations (points)", "quantized operands",
+                  "mean SQNR dB (last)", "worst SQNR dB (last)", "worst operand",
+                  "max saturated", "where", "max flushed", "where", "max amax"], rows,
+                 ["From the quant/... scalars training logs with --quant-stats-interval; "
+                  "'last' is the last logged iteration."])
+
+
+def all_tables(doc: dict) -> List[Table]:
+    """Every table in report order."""
+    tables: Sequence[Optional[Table]] = (
+        [run_table(doc), captures_table(doc), format_table(doc)] + tensor_tables(doc)
+        + [hifp8_table(doc), loss_table(doc), telemetry_table(doc)])
+    return [t for t in tables if t is not None]

@@ -1,0 +1,179 @@
+"""Quantization telemetry from TensorBoard: the `quant/...` scalars training writes with
+`--quant-stats-interval N`, as a long pandas DataFrame, and its summary for the report.
+
+Tags (step = training iteration):
+
+    quant/<site>/<gemm>.<operand>/<metric>     e.g. quant/L2.linear_fc2/dgrad.grad_output/sqnr_db
+    quant/worst/<metric>                       max over sites (saturated_pct, flushed_pct)
+
+`site` is `L{layer}.{module}` (`L1.core_attention.qk`, `L0.output_layer`,
+`L3.expert5_linear_fc1`). Quantized operands carry `saturated_pct flushed_pct sqnr_db
+rel_error amax`, MX operands also `scale_exp_min scale_exp_max`, HiF8 operands the
+`hifp8_*_pct` region shares; operands of an unquantized scheme carry only `amax`.
+
+Event files sit in `{tensorboard_dir}` itself or in one sub-directory per scheme
+(`tensorboard/{scheme}/`, as the demo writes them): the scheme is the sub-directory's name, or
+the directory's own name when the files sit directly in it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+from megatron.analysis.events import event_files, read_scalars
+
+QUANT_PREFIX = "quant/"
+WORST_SITE = "worst"
+GEMMS = ("fprop", "dgrad", "wgrad")
+FRAME_COLUMNS = ("scheme", "step", "site", "layer", "module", "gemm", "operand", "metric",
+                 "value")
+SCALAR_COLUMNS = ("scheme", "step", "tag", "value")
+_SITE = re.compile(r"^L(?P<layer>\d+)\.(?P<module>[A-Za-z0-9_.]+)$")
+_METRIC = re.compile(r"^[A-Za-z0-9_]+$")
+
+Dirs = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+
+def parse_tag(tag: str) -> Optional[Tuple]:
+    """(site, layer, module, gemm, operand, metric) of a quant tag, None if it is not one."""
+    if not tag.startswith(QUANT_PREFIX):
+        return None
+    parts = tag[len(QUANT_PREFIX):].split("/")
+    if len(parts) == 2 and parts[0] == WORST_SITE and _METRIC.match(parts[1]):
+        return (WORST_SITE, None, None, None, None, parts[1])
+    if len(parts) != 3:
+        return None
+    site, gemm_operand, metric = parts
+    match = _SITE.match(site)
+    gemm, _, operand = gemm_operand.partition(".")
+    if match is None or gemm not in GEMMS or not operand or not _METRIC.match(metric):
+        return None
+    return (site, int(match.group("layer")), match.group("module"), gemm, operand, metric)
+
+
+def scheme_sources(tensorboard_dir: str) -> List[Tuple[str, List[str]]]:
+    """(scheme, event files) found under one TensorBoard directory."""
+    root = os.path.abspath(tensorboard_dir)
+    if os.path.isfile(root):
+        return [(os.path.basename(os.path.dirname(root)), event_files(root))]
+    if not os.path.isdir(root):
+        return []
+    out = []
+    direct = [f for f in event_files(root) if os.path.dirname(f) == root]
+    if direct:
+        out.append((os.path.basename(root), direct))
+    for entry in sorted(os.listdir(root)):
+        path = os.path.join(root, entry)
+        if os.path.isdir(path):
+            files = event_files(path)
+            if files:
+                out.append((entry, files))
+    return out
+
+
+def _as_list(dirs: Dirs) -> List[str]:
+    if isinstance(dirs, (str, os.PathLike)):
+        return [os.fspath(dirs)]
+    return [os.fspath(d) for d in dirs]
+
+
+def _selected(dirs: Dirs, schemes: Optional[Iterable[str]]):
+    wanted = None if schemes is None else set(schemes)
+    for directory in _as_list(dirs):
+        for scheme, files in scheme_sources(directory):
+            if wanted is None or scheme in wanted:
+                yield scheme, files
+
+
+def load_stats_frame(tensorboard_dir: Dirs, schemes: Optional[Iterable[str]] = None,
+                     metrics: Optional[Iterable[str]] = None):
+    """The quant telemetry as a long DataFrame: one row per (scheme, step, site, gemm,
+    operand, metric) with its value. `layer`, `module`, `gemm` and `operand` are missing
+    (<NA> / None) for the `worst` site. Tags under `quant/` that do not follow the contract
+    are listed in `frame.attrs["unparsed_tags"]`; other tags are left out (see
+    `load_scalars_frame`)."""
+    import pandas as pd
+
+    wanted = None if metrics is None else set(metrics)
+    rows, unparsed = [], set()
+    for scheme, files in _selected(tensorboard_dir, schemes):
+        scalars = read_scalars(files, lambda tag: tag.startswith(QUANT_PREFIX))
+        for tag, series in scalars.items():
+            parsed = parse_tag(tag)
+            if parsed is None:
+                unparsed.add(tag)
+                continue
+            if wanted is not None and parsed[-1] not in wanted:
+                continue
+            rows.extend((scheme, step) + parsed + (value,) for step, value in series.items())
+    frame = pd.DataFrame.from_records(rows, columns=list(FRAME_COLUMNS))
+    frame["step"] = frame["step"].astype("int64")
+    frame["layer"] = frame["layer"].astype("Int64")
+    frame["value"] = frame["value"].astype("float64")
+    frame = frame.sort_values(["scheme", "site", "gemm", "operand", "metric", "step"],
+                              na_position="first", kind="stable").reset_index(drop=True)
+    frame.attrs["unparsed_tags"] = sorted(unparsed)
+    return frame
+
+
+def load_scalars_frame(tensorboard_dir: Dirs, schemes: Optional[Iterable[str]] = None):
+    """The other scalars of the same event files (`lm loss`, `learning-rate`, ...) as a long
+    DataFrame (scheme, step, tag, value)."""
+    import pandas as pd
+
+    rows = []
+    for scheme, files in _selected(tensorboard_dir, schemes):
+        scalars = read_scalars(files, lambda tag: not tag.startswith(QUANT_PREFIX))
+        for tag, series in scalars.items():
+            rows.extend((scheme, step, tag, value) for step, value in series.items())
+    frame = pd.DataFrame.from_records(rows, columns=list(SCALAR_COLUMNS))
+    frame["step"] = frame["step"].astype("int64")
+    frame["value"] = frame["value"].astype("float64")
+    return frame.sort_values(["scheme", "tag", "step"], kind="stable").reset_index(drop=True)
+
+
+# -- summary for the report ---------------------------------------------------------------------
+
+def site_operands(frame):
+    """Per-site rows (the `worst` tags left out), with a label `site gemm.operand`."""
+    sites = frame[frame["site"] != WORST_SITE].copy()
+    sites["label"] = sites["site"] + " " + sites["gemm"] + "." + sites["operand"]
+    return sites
+
+
+def _worst(rows, metric: str, largest: bool) -> Optional[dict]:
+    values = rows[rows["metric"] == metric]
+    values = values[values["value"].map(math.isfinite)]       # exact (inf dB) is never worst
+    if values.empty:
+        return None
+    row = values.loc[values["value"].idxmax() if largest else values["value"].idxmin()]
+    return {"value": float(row["value"]), "site": row["site"],
+            "operand": f"{row['gemm']}.{row['operand']}", "step": int(row["step"])}
+
+
+def summary(frame, sources: List[str]) -> dict:
+    """statistics.json `telemetry`: per scheme, the steps covered and the worst operands."""
+    sites = site_operands(frame)
+    schemes = {}
+    for scheme, rows in sites.groupby("scheme", sort=True):
+        last = int(rows["step"].max())
+        at_last = rows[rows["step"] == last]
+        sqnr_last = at_last[at_last["metric"] == "sqnr_db"]["value"]
+        sqnr_last = sqnr_last[sqnr_last.map(math.isfinite)]
+        quantized = rows[rows["metric"] == "sqnr_db"]["label"].nunique()
+        schemes[scheme] = {
+            "steps": [int(rows["step"].min()), last],
+            "points": int(rows["step"].nunique()),
+            "operands": int(rows["label"].nunique()),
+            "quantized_operands": int(quantized),
+            "mean_sqnr_db_at_last_step": float(sqnr_last.mean()) if len(sqnr_last) else None,
+            "worst_sqnr_db_at_last_step": _worst(at_last, "sqnr_db", largest=False),
+            "max_saturated_pct": _worst(rows, "saturated_pct", largest=True),
+            "max_flushed_pct": _worst(rows, "flushed_pct", largest=True),
+            "max_amax": _worst(rows, "amax", largest=True),
+        }
+    return {"sources": list(sources), "schemes": schemes,
+            "unparsed_tags": list(frame.attrs.get("unparsed_tags", []))}
