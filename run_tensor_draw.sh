@@ -12,8 +12,15 @@
 #
 # Options:
 #   --mode MODE                  visualize, collect or both (instead of the positional MODE)
-#   --tensor-dir DIR             capture root (default ./enhanced_tensor_logs)
+#   --tensor-dir DIR             capture root (default ./enhanced_tensor_logs); in visualize mode
+#                                it may be absent when loss logs or telemetry are given
 #   --output-dir DIR             visualisation output (default ./draw)
+#   --loss-dir DIR               training logs named by scheme (bf16.log, ...; *-capture.log
+#                                are left out), e.g. runs/demo/logs; may be repeated
+#   --loss-logs NAME=PATH        one training log or TensorBoard directory per run; may be
+#                                repeated
+#   --tensorboard-dir DIR        quantization telemetry (--quant-stats-interval): a TensorBoard
+#                                directory or a parent with one per scheme (runs/demo/tensorboard)
 # Collection options (collect, both), passed to run_tensor_collection.sh:
 #   --collect-mode MODE          single, batch or quick (default: single for one quant scheme,
 #                                batch for several)
@@ -29,6 +36,7 @@
 #
 # Examples:
 #   ./run_tensor_draw.sh visualize --tensor-dir ./enhanced_tensor_logs --output-dir ./draw
+#   ./run_tensor_draw.sh visualize --loss-dir runs/demo/logs --tensorboard-dir runs/demo/tensorboard
 #   ./run_tensor_draw.sh both mxfp8
 #   ./run_tensor_draw.sh --mode both --quant-scheme FA_linear_mxfp8 --control-iter 3 --collect-micro-batches 2
 #   ./run_tensor_draw.sh both --collect-mode quick --tensor-dir /tmp/t --output-dir /tmp/draw
@@ -64,6 +72,8 @@ VISUALIZER="${SCRIPT_DIR}/tools/visualization/tensor_visualizer.py"
 
 MODE=""
 TENSOR_DIR=./enhanced_tensor_logs
+TENSOR_DIR_GIVEN=0
+SOURCE_ARGS=()              # --loss-dir / --loss-logs / --tensorboard-dir for the visualiser
 OUTPUT_DIR=./draw
 COLLECT_MODE=""
 QUANT_SCHEMES=()
@@ -76,7 +86,9 @@ while [[ $# -gt 0 ]]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
         --mode) need_value "$@"; MODE=$2; shift 2 ;;
-        --tensor-dir) need_value "$@"; TENSOR_DIR=$2; shift 2 ;;
+        --tensor-dir) need_value "$@"; TENSOR_DIR=$2; TENSOR_DIR_GIVEN=1; shift 2 ;;
+        --loss-dir|--loss-logs|--tensorboard-dir)
+            need_value "$@"; SOURCE_ARGS+=("$1" "$2"); shift 2 ;;
         --output-dir) need_value "$@"; OUTPUT_DIR=$2; shift 2 ;;
         --collect-mode) need_value "$@"; COLLECT_MODE=$2; shift 2 ;;
         --quant-scheme|--quant-schemes|--quant-type|--quant-types)
@@ -133,7 +145,16 @@ loss_logs_of_collection() {  # --loss-logs SCHEME=LOG for each run of this colle
 }
 
 visualize() {
-    local cmd=("$PYTHON" "$VISUALIZER" --tensor-dir "$TENSOR_DIR" --output-dir "$OUTPUT_DIR")
+    local cmd=("$PYTHON" "$VISUALIZER" --output-dir "$OUTPUT_DIR")
+    # Loss logs and telemetry can be compared without any capture: the default tensor
+    # directory is then simply left out when it does not exist.
+    local with_captures=1
+    if [[ ${#SOURCE_ARGS[@]} -gt 0 && $TENSOR_DIR_GIVEN == 0 && ! -d $TENSOR_DIR ]]; then
+        with_captures=0
+        echo "$TAG no capture directory $TENSOR_DIR: comparing the loss logs / telemetry only"
+    fi
+    if [[ $with_captures == 1 ]]; then cmd+=(--tensor-dir "$TENSOR_DIR"); fi
+    if [[ ${#SOURCE_ARGS[@]} -gt 0 ]]; then cmd+=("${SOURCE_ARGS[@]}"); fi
     if [[ ${#LOSS_ARGS[@]} -gt 0 ]]; then cmd+=("${LOSS_ARGS[@]}"); fi
     if [[ ${#VIS_ARGS[@]} -gt 0 ]]; then cmd+=("${VIS_ARGS[@]}"); fi
     echo "$TAG visualizing: $(printf '%q ' "${cmd[@]}")"
@@ -142,9 +163,10 @@ visualize() {
         echo "run_tensor_draw.sh: error: the visualiser $VISUALIZER is not installed" >&2
         return 1
     fi
-    if [[ ! -d $TENSOR_DIR ]]; then
+    if [[ $with_captures == 1 && ! -d $TENSOR_DIR ]]; then
         echo "run_tensor_draw.sh: error: tensor directory $TENSOR_DIR not found; collect first" \
-             "(./run_tensor_draw.sh both, or ./run_tensor_collection.sh)" >&2
+             "(./run_tensor_draw.sh both, or ./run_tensor_collection.sh), or give --loss-dir /" \
+             "--tensorboard-dir to compare runs without captures" >&2
         return 1
     fi
     mkdir -p "$OUTPUT_DIR"
