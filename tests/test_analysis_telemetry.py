@@ -57,6 +57,8 @@ def tensorboard(tmp_path_factory):
                 for metric in ("saturated_pct", "flushed_pct"):
                     writer.add_scalar(f"quant/worst/{metric}", 50.0 + step, step)
             writer.add_scalar("quant/not-a-site/fprop.input/amax", 1.0, step)
+        if scheme == "FA_linear_hifp8":       # an operand that held NaN/Inf at the last step
+            writer.add_scalar("quant/L2.linear_fc2/wgrad.grad_output/nonfinite", 1.0, 30)
         writer.close()
     # A resumed run appends a second event file; its later value of a step wins.
     writer = SummaryWriter(log_dir=str(root / "FA_linear_mxfp8"))
@@ -83,9 +85,11 @@ def test_stats_frame_holds_every_scalar(tensorboard):
     assert list(frame.columns) == ["scheme", "step", "site", "layer", "module", "gemm",
                                    "operand", "metric", "value"]
     sites = frame[frame.site != "worst"]
-    assert len(sites) == len(expected)
+    assert len(sites) == len(expected) + 1             # + the nonfinite flag
+    assert len(sites[sites.metric == "nonfinite"]) == 1
     got = {(r.scheme, r.step, r.site, f"{r.gemm}.{r.operand}", r.metric): r.value
            for r in sites.itertuples()}
+    assert len(got) == len(sites)
     for scheme, step, site, operand, metric, v in expected:
         if (scheme, site, operand, metric, step) == ("FA_linear_mxfp8", "L1.linear_qkv",
                                                      "fprop.input", "sqnr_db", 30):
@@ -133,6 +137,10 @@ def test_summary_names_the_worst_operands(tensorboard):
                      and e[4] == "saturated_pct"), key=lambda e: e[5])
     assert mx["max_saturated_pct"]["value"] == pytest.approx(saturated[5], rel=1e-6)
     assert doc["schemes"]["bf16"]["quantized_operands"] == 0
+    assert mx["nonfinite"] is None
+    assert doc["schemes"]["FA_linear_hifp8"]["nonfinite"] == {
+        "operands": 1, "first_step": 30, "site": "L2.linear_fc2",
+        "operand": "wgrad.grad_output"}
 
 
 def test_report_from_telemetry_alone(tensorboard, tmp_path):
@@ -151,6 +159,8 @@ def test_report_from_telemetry_alone(tensorboard, tmp_path):
     text = (out / "statistics.txt").read_text()
     row = next(line for line in text.splitlines() if line.startswith("FA_linear_mxfp8 "))
     assert "L1.linear_qkv fprop.input" in row and "10-30 (3)" in row
+    hifp8 = next(line for line in text.splitlines() if line.startswith("FA_linear_hifp8 "))
+    assert "1 operand(s), first L2.linear_fc2 wgrad.grad_output at it 30" in hifp8
     assert "records.csv" not in (out / "report.html").read_text()
     assert doc["provenance"]["schemes"] == sorted(SCHEMES)
 

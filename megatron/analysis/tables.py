@@ -206,6 +206,14 @@ def _where(item: Optional[dict], with_step: bool = True) -> Optional[str]:
     return f"{item['site']} {item['operand']}{step}"
 
 
+def _nonfinite(scheme: dict) -> str:
+    item = scheme.get("nonfinite")
+    if not item:
+        return "none"
+    return (f"{item['operands']} operand(s), first {item['site']} {item['operand']} at it "
+            f"{item['first_step']}")
+
+
 def telemetry_table(doc: dict) -> Optional[Table]:
     telemetry = doc.get("telemetry") or {}
     if not telemetry.get("schemes"):
@@ -221,11 +229,12 @@ def telemetry_table(doc: dict) -> Optional[Table]:
                      _t(_where(worst or None, with_step=False)),
                      (sat.get("value"), "pct100"), _t(_where(sat or None)),
                      (flushed.get("value"), "pct100"), _t(_where(flushed or None)),
-                     ((s.get("max_amax") or {}).get("value"), "g")])
+                     ((s.get("max_amax") or {}).get("value"), "g"), _t(_nonfinite(s))])
     return Table("telemetry", "Quantization telemetry (TensorBoard)",
                  ["quant type", "iterations (points)", "quantized operands",
                   "mean SQNR dB (last)", "worst SQNR dB (last)", "worst operand",
-                  "max saturated", "where", "max flushed", "where", "max amax"], rows,
+                  "max saturated", "where", "max flushed", "where", "max amax",
+                  "NaN/Inf"], rows,
                  ["From the quant/... scalars training logs with --quant-stats-interval; "
                   "'last' is the last logged iteration."])
 

@@ -9,7 +9,8 @@ Tags (step = training iteration):
 `site` is `L{layer}.{module}` (`L1.core_attention.qk`, `L0.output_layer`,
 `L3.expert5_linear_fc1`). Quantized operands carry `saturated_pct flushed_pct sqnr_db
 rel_error amax`, MX operands also `scale_exp_min scale_exp_max`, HiF8 operands the
-`hifp8_*_pct` region shares; operands of an unquantized scheme carry only `amax`.
+`hifp8_*_pct` region shares; operands of an unquantized scheme carry only `amax`; an operand
+that held NaN/Inf carries `nonfinite` = 1 (and amax) instead.
 
 Event files sit in `{tensorboard_dir}` itself or in one sub-directory per scheme
 (`tensorboard/{scheme}/`, as the demo writes them): the scheme is the sub-directory's name, or
@@ -27,6 +28,7 @@ from megatron.analysis.events import event_files, read_scalars
 
 QUANT_PREFIX = "quant/"
 WORST_SITE = "worst"
+NONFINITE = "nonfinite"      # 1.0 when an operand held NaN/Inf (its other metrics are left out)
 GEMMS = ("fprop", "dgrad", "wgrad")
 FRAME_COLUMNS = ("scheme", "step", "site", "layer", "module", "gemm", "operand", "metric",
                  "value")
@@ -154,6 +156,16 @@ def _worst(rows, metric: str, largest: bool) -> Optional[dict]:
             "operand": f"{row['gemm']}.{row['operand']}", "step": int(row["step"])}
 
 
+def _nonfinite(rows) -> Optional[dict]:
+    """Operands that held NaN/Inf (training then reports only the `nonfinite` flag)."""
+    flagged = rows[(rows["metric"] == NONFINITE) & (rows["value"] > 0)]
+    if flagged.empty:
+        return None
+    first = flagged.loc[flagged["step"].idxmin()]
+    return {"operands": int(flagged["label"].nunique()), "first_step": int(first["step"]),
+            "site": first["site"], "operand": f"{first['gemm']}.{first['operand']}"}
+
+
 def summary(frame, sources: List[str]) -> dict:
     """statistics.json `telemetry`: per scheme, the steps covered and the worst operands."""
     sites = site_operands(frame)
@@ -174,6 +186,7 @@ def summary(frame, sources: List[str]) -> dict:
             "max_saturated_pct": _worst(rows, "saturated_pct", largest=True),
             "max_flushed_pct": _worst(rows, "flushed_pct", largest=True),
             "max_amax": _worst(rows, "amax", largest=True),
+            "nonfinite": _nonfinite(rows),
         }
     return {"sources": list(sources), "schemes": schemes,
             "unparsed_tags": list(frame.attrs.get("unparsed_tags", []))}
