@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from megatron.analysis.events import event_files, is_event_file, read_scalars
+from megatron.analysis.study import mean_std
 
 log = logging.getLogger("megatron.analysis")
 
@@ -168,9 +169,8 @@ def last_window(iterations: List[int]) -> List[int]:
 
 def _mean_std(values: List[float]) -> Tuple[float, float]:
     """Mean and sample standard deviation (ddof 1: the spread of the curve in the window)."""
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-    return mean, math.sqrt(var)
+    stats = mean_std(values)
+    return stats["mean"], stats["std"]
 
 
 def gap(curve: Dict[int, float], base: Dict[int, float]) -> dict:

@@ -1,4 +1,5 @@
-"""The analysis run: captures + loss logs + telemetry -> statistics.json/.txt, records.csv, PNGs, report.html.
+"""The analysis run: captures, loss logs and telemetry -> statistics.json/.txt, records.csv,
+PNGs and report.html.
 
 `analyze(options)` never raises for bad input: problems (missing or empty directories,
 truncated or malformed manifest lines, unknown format versions, unreadable records, requested

@@ -58,7 +58,7 @@ def scheme_colors(quant_schemes: Sequence[str]) -> Dict[str, tuple]:
     return {scheme: cmap(i % 10) for i, scheme in enumerate(sorted(quant_schemes))}
 
 
-def _save(fig, outdir: str, name: str) -> str:
+def save_figure(fig, outdir: str, name: str) -> str:
     # Minor ticks cost most of the drawing time (log axes) and add little here.
     for ax in fig.axes:
         ax.minorticks_off()
@@ -187,7 +187,7 @@ def value_distributions(groups: Dict[GroupKey, Stats], outdir: str, colors) -> O
         ax.set_visible(False)
     fig.suptitle("Value distributions of quantized operands, with each format's range",
                  fontsize=12)
-    return {"file": _save(fig, outdir, "value_distributions.png"),
+    return {"file": save_figure(fig, outdir, "value_distributions.png"),
             "title": "Value distributions per format",
             "caption": "Histogram of log2 magnitudes of the high-precision operands of each "
                        "format (solid: forward, dashed: backward). MX panels are in the element "
@@ -232,7 +232,7 @@ def absolute_distributions(groups, outdir: str, colors) -> Optional[dict]:
                title_fontsize=8)
     fig.suptitle("Magnitudes of the tensors every scheme captured (background: HiF8 "
                  "mantissa-width regions)", fontsize=12)
-    return {"file": _save(fig, outdir, "absolute_distributions.png"),
+    return {"file": save_figure(fig, outdir, "absolute_distributions.png"),
             "title": "Absolute magnitude distributions",
             "caption": "log2|x| of the captured tensors by class (activations incl. attention "
                        "operands, weights, gradients), per quant type; solid forward, dashed "
@@ -345,7 +345,7 @@ def error_heatmap(groups, outdir: str, quant_scheme: str) -> Optional[dict]:
     axes[-1].set_xlabel("quantized operand (forward | backward, separated by the black line)")
     fig.suptitle(f"{quant_scheme}: quantization error per layer and operand", fontsize=12)
     safe = quant_scheme.replace("/", "_")
-    return {"file": _save(fig, outdir, f"error_heatmap_{safe}.png"),
+    return {"file": save_figure(fig, outdir, f"error_heatmap_{safe}.png"),
             "title": f"Quantization error heat map: {quant_scheme}",
             "caption": "Per layer (rows) and quantized operand (columns; forward operands left "
                        "of the black line, backward right): SQNR in dB (higher is better), "
@@ -405,7 +405,7 @@ def scale_exponents(groups, outdir: str, colors) -> Optional[dict]:
     fig.legend(handles=list(handles.values()), loc="outside lower center",
                ncol=min(3, len(handles)), fontsize=8, frameon=False)
     fig.suptitle("MX shared-exponent (E8M0 scale) histograms", fontsize=12)
-    return {"file": _save(fig, outdir, "mx_scale_exponents.png"),
+    return {"file": save_figure(fig, outdir, "mx_scale_exponents.png"),
             "title": "MX scale exponents",
             "caption": "Distribution of the per-block shared exponents (unbiased E8M0) of MX "
                        "operands, recomputed from the captured tensors with the run's scale "
@@ -481,7 +481,7 @@ def hifp8_regions(groups, outdir: str) -> Optional[dict]:
     ax.set_title("HiF8 precision regions of captured values" +
                  (" (per-tensor scaled operands: as scaled and unscaled)" if scaled
                   else " (no scaling)"), pad=38)
-    return {"file": _save(fig, outdir, "hifp8_regions.png"),
+    return {"file": save_figure(fig, outdir, "hifp8_regions.png"),
             "title": "HiF8 precision regions",
             "caption": "Share of finite nonzero values in each region of HiF8's tapered "
                        "format: 3-bit mantissa for |x| in [2^-3, 2^4), 2-bit and 1-bit further "
@@ -535,7 +535,7 @@ def forward_backward(groups, outdir: str, colors) -> Optional[dict]:
     axes[2].set_ylabel("% of nonzero elements")
     axes[0].legend(fontsize=8)
     fig.suptitle("Forward vs backward: quantization error per GEMM", fontsize=12)
-    return {"file": _save(fig, outdir, "forward_backward.png"),
+    return {"file": save_figure(fig, outdir, "forward_backward.png"),
             "title": "Forward vs backward",
             "caption": "Quantization error of the operands of the forward GEMM (fprop) and "
                        "of the two backward GEMMs (dgrad: output gradient and weight; wgrad: "
@@ -564,7 +564,7 @@ def forward_backward_layers(groups, outdir: str, colors) -> Optional[dict]:
     ax.grid(alpha=0.3, lw=0.5)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title("SQNR of quantized operands per layer: forward vs backward")
-    return {"file": _save(fig, outdir, "forward_backward_layers.png"),
+    return {"file": save_figure(fig, outdir, "forward_backward_layers.png"),
             "title": "Forward vs backward per layer",
             "caption": "SQNR of all quantized operands of each layer, forward (solid) and "
                        "backward (dashed), per quant type."}
@@ -602,7 +602,7 @@ def layer_absmax(groups, outdir: str, colors) -> Optional[dict]:
     fig.legend(handles=list(handles.values()), loc="outside lower center",
                ncol=min(len(handles), 5), fontsize=8, frameon=False)
     fig.suptitle("Largest magnitude per layer", fontsize=12)
-    return {"file": _save(fig, outdir, "layer_absmax.png"),
+    return {"file": save_figure(fig, outdir, "layer_absmax.png"),
             "title": "Largest magnitude per layer",
             "caption": "Maximum |x| over all captured iterations and micro-batches, per layer "
                        "and tensor class: growing outliers are what saturates MX blocks and "
@@ -640,7 +640,7 @@ def format_overview(groups, outdir: str, colors) -> Optional[dict]:
                        Patch(facecolor="white", edgecolor="black", hatch="//",
                              label="backward")], fontsize=8)
     ax.set_title("Signal-to-quantization-noise ratio per format (all quantized operands)")
-    return {"file": _save(fig, outdir, "format_overview.png"),
+    return {"file": save_figure(fig, outdir, "format_overview.png"),
             "title": "SQNR per format",
             "caption": "SQNR = 10 log10(sum x^2 / sum (q - x)^2) over all quantized operands "
                        "of each quant type and element format, forward (plain) and backward "

@@ -17,9 +17,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from megatron.analysis.plots import save_figure  # noqa: E402
 from megatron.analysis.telemetry import site_operands  # noqa: E402
 
-DPI = 110
 # (metric, axis label, worst = max?)
 _OVER_ITERATIONS = (
     ("sqnr_db", "SQNR [dB]", False),
@@ -31,12 +31,6 @@ _OVER_ITERATIONS = (
 def _finite(frame):
     """Rows with a finite value (exact operands have SQNR inf, which is never the worst)."""
     return frame[frame["value"].map(math.isfinite)]
-
-
-def _save(fig, outdir: str, name: str) -> str:
-    fig.savefig(os.path.join(outdir, name), dpi=DPI)
-    plt.close(fig)
-    return name
 
 
 def over_iterations(frame, outdir: str, colors: Dict[str, tuple]) -> Optional[dict]:
@@ -74,7 +68,7 @@ def over_iterations(frame, outdir: str, colors: Dict[str, tuple]) -> Optional[di
     axes[-1].set_xlabel("iteration")
     fig.suptitle("Quantization telemetry during training (worst operand and mean over operands)",
                  fontsize=12)
-    return {"file": _save(fig, outdir, "telemetry_over_iterations.png"),
+    return {"file": save_figure(fig, outdir, "telemetry_over_iterations.png"),
             "title": "Quantization telemetry against iteration",
             "caption": "From the TensorBoard scalars training writes with "
                        "--quant-stats-interval: per scheme, the worst quantized operand over "
@@ -126,7 +120,7 @@ def per_layer(frame, outdir: str) -> Optional[dict]:
                 ax.legend(fontsize=6.5, ncol=1 if len(layers) <= 8 else 2)
         axes[-1, col].set_xlabel("iteration")
     fig.suptitle("Worst operand of each layer against iteration", fontsize=12)
-    return {"file": _save(fig, outdir, "telemetry_layers.png"),
+    return {"file": save_figure(fig, outdir, "telemetry_layers.png"),
             "title": "Worst operand per layer against iteration",
             "caption": "Per quantized scheme (columns) and layer (lines, dark = first layer): "
                        "the lowest SQNR and the highest flushed-to-zero share among the layer's "
