@@ -26,8 +26,10 @@ Three paths, chosen per call:
   partial tail block of the unfused path). Results equal the unfused path's up to float
   summation order.
 * unfused (the reference) -- the full [b, heads, sq, sk] scores, as megatron-core computes
-  them: used when an observer (tensor capture) watches a site, so captured tensors are whole
-  GEMM operands; for attention dropout in training, attention sinks (softmax offset), query-key
+  them: used when an observer that needs whole operands (tensor capture) watches a site, so
+  captured tensors are whole GEMM operands (observers that accept pieces, such as the
+  quantization telemetry, stay on the chunked path and see each chunk of Q, P, dS, dO once
+  and K and V once); for attention dropout in training, attention sinks (softmax offset), query-key
   layer scaling and masks of another shape than [b or 1, 1, sq, sk]; and everywhere when
   `impl` is "unfused" (--quant-attention-impl unfused, for checks and benchmarks).
 """
@@ -44,7 +46,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.quantization.formats import hifp8_scale_exponent
 from megatron.quantization.gemm import MatmulQuantConfig, matmul_grads, quantized_matmul
 from megatron.quantization.local_attention import LocalDotProductAttention
-from megatron.quantization.observers import GemmSite, observer_for
+from megatron.quantization.observers import GemmSite, accepts_pieces, observer_for
 
 MX_ROWS = 32                   # chunks start at multiples of the MX block size
 CHUNK_BYTES = 32 * 2 ** 20     # fp32 score bytes of one chunk (all groups of the micro-batch)
@@ -100,6 +102,20 @@ def _needs_whole_scale(config: MatmulQuantConfig, keys) -> bool:
     return any(config.tensor_scaled(formats[key]) for key in keys)
 
 
+def _piece_observer(observer, first: bool, skip_fprop: bool = False):
+    """`observer` for one chunk: the b operands (K^T, V) are whole in every chunk and reported
+    with the first only; `skip_fprop` drops the forward GEMM of backward's recomputation."""
+    if observer is None:
+        return None
+
+    def observe(gemm, operand, *report, **extra):
+        if (skip_fprop and gemm == "fprop") or (operand == "b" and not first):
+            return
+        observer(gemm, operand, *report, **extra)
+
+    return observe
+
+
 def _whole_scale(pieces) -> torch.Tensor:
     """The per-tensor scale exponent of a tensor seen in pieces: amax of the piece amaxes."""
     return hifp8_scale_exponent(torch.stack([p.detach().abs().amax().float() for p in pieces]))
@@ -116,22 +132,26 @@ class _ChunkedAttention(torch.autograd.Function):
     chunk by chunk, from a first pass over the chunks that only measures their amax."""
 
     @staticmethod
-    def forward(ctx, q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds):
+    def forward(ctx, q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds, observers):
         ctx.save_for_backward(q, k_t, v)
         ctx.fns, ctx.cfgs, ctx.bounds = (scores_fn, softmax_fn), (qk_cfg, pv_cfg), bounds
+        ctx.observers = observers
+        qk_obs, pv_obs = observers
         qk_scales, pv_scales = {}, {}
         if _needs_whole_scale(qk_cfg, _QUERY_SIDE + _GRAD_SIDE):
             qk_scales = dict.fromkeys(_QUERY_SIDE, hifp8_scale_exponent(q))
 
-        def probs(r0, r1):
-            return softmax_fn(scores_fn(q[:, r0:r1], k_t, qk_scales), r0, r1)
+        def probs(r0, r1, observer=None):
+            return softmax_fn(scores_fn(q[:, r0:r1], k_t, qk_scales, observer), r0, r1)
 
         if _needs_whole_scale(pv_cfg, _QUERY_SIDE):
             pv_scales = dict.fromkeys(_QUERY_SIDE, _whole_scale(probs(r0, r1)
                                                                 for r0, r1 in bounds))
         ctx.scales = (qk_scales, pv_scales)
-        return torch.cat([quantized_matmul(probs(r0, r1), v, pv_cfg, scales=pv_scales)
-                          for r0, r1 in bounds], dim=1)
+        return torch.cat([
+            quantized_matmul(probs(r0, r1, _piece_observer(qk_obs, i == 0)), v, pv_cfg,
+                             observer=_piece_observer(pv_obs, i == 0), scales=pv_scales)
+            for i, (r0, r1) in enumerate(bounds)], dim=1)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -145,14 +165,18 @@ class _ChunkedAttention(torch.autograd.Function):
             qk_scales.update(dict.fromkeys(_GRAD_SIDE, _whole_scale(
                 _ChunkedAttention._score_grads(q, k_t, v, grad_out, ctx, qk_scales,
                                                pv_scales))))
+        qk_obs, pv_obs = ctx.observers
         grad_q_parts, grad_k, grad_v = [], None, None
         with torch.enable_grad():
             k_leaf = k_t.detach().requires_grad_(need_k)
-            for r0, r1 in ctx.bounds:
+            for i, (r0, r1) in enumerate(ctx.bounds):
                 q_leaf = q[:, r0:r1].detach().requires_grad_(need_q)
-                probs = softmax_fn(scores_fn(q_leaf, k_leaf, qk_scales), r0, r1)
-                grad_probs, grad_v_part = matmul_grads(probs.detach(), v, grad_out[:, r0:r1],
-                                                       pv_cfg, need_b=need_v, scales=pv_scales)
+                probs = softmax_fn(scores_fn(q_leaf, k_leaf, qk_scales,
+                                             _piece_observer(qk_obs, i == 0, skip_fprop=True)),
+                                   r0, r1)
+                grad_probs, grad_v_part = matmul_grads(
+                    probs.detach(), v, grad_out[:, r0:r1], pv_cfg,
+                    _piece_observer(pv_obs, i == 0), need_b=need_v, scales=pv_scales)
                 if need_v:
                     grad_v = _accumulate(grad_v, grad_v_part)
                 leaves = [t for t, n in ((q_leaf, need_q), (k_leaf, need_k)) if n]
@@ -166,7 +190,7 @@ class _ChunkedAttention(torch.autograd.Function):
         grad_q = torch.cat(grad_q_parts, dim=1) if need_q else None
         grad_k = grad_k.to(k_t.dtype) if grad_k is not None else None
         grad_v = grad_v.to(v.dtype) if grad_v is not None else None
-        return grad_q, grad_k, grad_v, None, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None, None
 
     @staticmethod
     def _score_grads(q, k_t, v, grad_out, ctx, qk_scales, pv_scales):
@@ -176,7 +200,7 @@ class _ChunkedAttention(torch.autograd.Function):
         with torch.enable_grad():
             for r0, r1 in ctx.bounds:
                 with torch.no_grad():
-                    scores = scores_fn(q[:, r0:r1], k_t, qk_scales)
+                    scores = scores_fn(q[:, r0:r1], k_t, qk_scales, None)
                 scores.requires_grad_(True)
                 probs = softmax_fn(scores, r0, r1)
                 grad_probs, _ = matmul_grads(probs.detach(), v, grad_out[:, r0:r1], pv_cfg,
@@ -208,17 +232,19 @@ class QuantDotProductAttention(LocalDotProductAttention):
         qk_cfg, pv_cfg = self._config(self.qk_site), self._config(self.pv_site)
         qk_obs, pv_obs = self._observer(self.qk_site), self._observer(self.pv_site)
         observed = qk_obs is not None or pv_obs is not None
+        whole = any(o is not None and not accepts_pieces(o) for o in (qk_obs, pv_obs))
         quantized = qk_cfg.enabled or pv_cfg.enabled
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         linear = self.impl == "auto" and self._plain_softmax()
         if linear and not quantized and not observed:
             return self._fused(query, key, value, attention_mask, mask_type)
 
-        if observed or not linear or not self._row_mask_ok(attention_mask):
+        if whole or not linear or not self._row_mask_ok(attention_mask):
             return self._reference(query, key, value, attention_mask, attn_mask_type,
                                    qk_obs, pv_obs)
         q, k_t, v = grouped_layout(query, key, value)
-        context = self._chunked(q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg, query, key)
+        context = self._chunked(q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg, query, key,
+                                (qk_obs, pv_obs))
         return heads_layout(context, query)
 
     # -- which path ----------------------------------------------------------------------
@@ -253,7 +279,8 @@ class QuantDotProductAttention(LocalDotProductAttention):
 
     # -- chunked: quantized, linear memory -------------------------------------------------
 
-    def _chunked(self, q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg, query, key):
+    def _chunked(self, q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg, query, key,
+                 observers=(None, None)):
         sq, sk, ng, rows = query.size(0), key.size(0), key.size(2), q.size(1)
         bounds = chunk_bounds(rows, self.chunk_rows or default_chunk_rows(q.size(0), sk))
         causal = attention_mask is None and mask_type == AttnMaskType.causal
@@ -270,14 +297,15 @@ class QuantDotProductAttention(LocalDotProductAttention):
             # Per-sample masks [b, 1, ...] -> one per (sample, group) row block of q.
             return mask.repeat_interleave(ng, dim=0) if mask.size(0) > 1 else mask
 
-        def scores_fn(q_c, k_t_, scales):
-            return quantized_matmul(q_c, k_t_, qk_cfg, scales=scales)
+        def scores_fn(q_c, k_t_, scales, observer):
+            return quantized_matmul(q_c, k_t_, qk_cfg, observer=observer, scales=scales)
 
         def softmax_fn(scores, r0, r1):
             scores = scores * self.softmax_scale
             return self._masked_softmax(scores.unsqueeze(1), chunk_mask(r0, r1)).squeeze(1)
 
-        return _ChunkedAttention.apply(q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds)
+        return _ChunkedAttention.apply(q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds,
+                                       observers)
 
     def _masked_softmax(self, scores, mask):
         """megatron-core's FusedScaleMaskSoftmax (its torch path), for any number of rows."""

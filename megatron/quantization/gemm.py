@@ -149,11 +149,14 @@ def _operand(observer, config, gemm, name, hp, fmt, axis, scales=None):
     """Quantize one GEMM operand (or pass it through) and report it. `scales` maps
     (gemm, name) to imposed per-tensor scale exponents (operands cut into chunks)."""
     q = None
+    scale = scales.get((gemm, name)) if scales and fmt != "none" else None
     if fmt != "none":
-        scale = scales.get((gemm, name)) if scales else None
         q = quantize_operand(hp, fmt, axis, config, scale)
     if observer is not None:
-        observer(gemm, name, hp, q, fmt, axis)
+        if scale is not None and config.tensor_scaled(fmt):
+            observer(gemm, name, hp, q, fmt, axis, scale_exponent=scale)
+        else:
+            observer(gemm, name, hp, q, fmt, axis)
     return hp if q is None else q
 
 

@@ -5,6 +5,9 @@ When at least one observer is registered, each GEMM a site runs reports its oper
 as `observer(site, gemm, operand, hp, q, fmt, axis)` (see gemm.py for the operand names); when
 none is registered the layers take their fast path and pay nothing.
 
+Observers see whole GEMM operands, except those that declare `accepts_pieces` (see
+`accepts_pieces`): the chunked attention path shows them each chunk of a chunked operand.
+
 Binding happens in the forward pass (`observer_for` is called when a site runs forward) and
 the bound callable is kept for that micro-batch's backward. An observer with a
 `bind(site) -> callable or None` method can therefore snapshot forward-time context (such as
@@ -62,11 +65,19 @@ def observer_for(site: GemmSite):
     if len(bound) == 1:
         return bound[0]
 
-    def observe(gemm, operand, hp, q, fmt, axis):
+    def observe(gemm, operand, hp, q, fmt, axis, **extra):
         for observer in bound:
-            observer(gemm, operand, hp, q, fmt, axis)
+            observer(gemm, operand, hp, q, fmt, axis, **extra)
 
+    observe.accepts_pieces = all(accepts_pieces(b) for b in bound)
     return observe
+
+
+def accepts_pieces(observer) -> bool:
+    """Whether `observer` (a bound observer) may be shown an operand piece by piece (chunked
+    attention, each piece once) instead of whole. Those that do receive `scale_exponent=k`
+    with a piece of a tensor-scaled operand: the per-tensor scale of the whole operand."""
+    return bool(getattr(observer, "accepts_pieces", False))
 
 
 class QuantizationCounter:

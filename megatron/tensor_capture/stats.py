@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from megatron.quantization.formats import (
     HIFP8_OVERFLOW, NAN_EXPONENT, format_info, mx_shared_exponents)
 
+MAX_EXPONENT_FIELD = 127   # the largest shared exponent of a finite MX block
+
 HIFP8_REGIONS = ("mant3", "mant2", "mant1", "denormal", "underflow", "overflow")
 _F64 = torch.float64
 
@@ -348,3 +350,119 @@ def _quant_error(x, q, info, axis, scale_mode, m: Moments, hifp8_k: Optional[int
     result["saturated_fraction"] = _ratio(saturated, m.count)
     result["nonfinite_fraction"] = _ratio(n - n_finite_q, n)
     return result
+
+
+# --------------------------------------------------------------------------------------------
+# Sufficient statistics on the device (training-time telemetry)
+# --------------------------------------------------------------------------------------------
+
+# Layout of the vector `operand_statistics` returns (summed over micro-batches, chunks and
+# ranks), then of the maxima (reduced with max; the exponent minimum is stored negated).
+SUM_FIELDS = ("count", "nonzero", "flushed", "saturated", "signal_sq", "error_sq",
+              "nonfinite", *(f"hifp8_{name}" for name in HIFP8_REGIONS))
+MAX_FIELDS = ("amax", "neg_scale_exp_min", "scale_exp_max")
+_NO_EXPONENT = -1e9
+# floor(log2 |x * 2**k|) of any float32/bf16 value times any scale 2**k, k in [-127, 127],
+# lies in [-276, 255]: histogram bins [-288, 288).
+_E_OFFSET, _E_BINS = 288, 576
+
+
+def _region_matrix(device) -> torch.Tensor:
+    """[bins, 6] 0/1: the HiFP8 region of each exponent bin (HIFP8_REGIONS order); e = 15
+    counts as mant1 here, its overflowing part is moved by the caller."""
+    matrix = torch.zeros(_E_BINS, len(HIFP8_REGIONS), dtype=_F64)
+    for b in range(_E_BINS):
+        e = b - _E_OFFSET
+        region = ("underflow" if e <= -24 else "denormal" if e <= -16 else
+                  "mant3" if abs(e) <= 3 else "mant2" if abs(e) <= 7 else
+                  "mant1" if abs(e) <= 15 else "overflow")
+        matrix[b, HIFP8_REGIONS.index(region)] = 1.0
+    return matrix.to(device)
+
+
+_REGION_MATRICES = {}
+
+
+def _scaled(value: float, k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """value * 2**-k as a 0-dim tensor of like's dtype (exact for HiFP8's thresholds)."""
+    return torch.ldexp(torch.tensor(value, dtype=torch.float32, device=like.device),
+                       -k).to(like.dtype)
+
+
+def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "none",
+                       axis: Optional[int] = None, scale_mode: str = "floor",
+                       hifp8_scale_exponent=None):
+    """(sums, maxima): float64 vectors laid out as SUM_FIELDS and MAX_FIELDS, on x's device,
+    with no host synchronisation, so a training step can afford them and a whole logging
+    iteration reduces in one transfer. They add up exactly over pieces of a tensor
+    (micro-batches, chunks, ranks) and give quant_error's statistics:
+
+        saturated_fraction = saturated / count      flushed_fraction = flushed / nonzero
+        sqnr_db = 10 log10(signal_sq / error_sq)     relative_error = sqrt(error_sq / signal_sq)
+        hifp8 region shares = hifp8_<region> / (their sum)
+
+    with the same definitions for tensors whose x and q are finite (MX saturation |x| >
+    max_normal * 2**e; HiFP8 saturation and regions on the grid's side of a per-tensor scale
+    2**k given as `hifp8_scale_exponent`, a 0-dim tensor or int). They are computed for that
+    common case only, in few passes; `nonfinite` is 1 when x or q holds NaN/Inf, and the
+    other fields of such a piece are then meaningless (its amax is NaN or Inf). With q None
+    (an operand kept in high precision) only count, nonfinite and amax are filled.
+    """
+    x = x.detach()
+    f64 = dict(dtype=_F64)
+    norm = torch.linalg.vector_norm
+    sums = torch.zeros(len(SUM_FIELDS), device=x.device, **f64)
+    maxima = torch.full((len(MAX_FIELDS),), _NO_EXPONENT, device=x.device, **f64)
+    sums[0] = x.numel()
+    if x.numel() == 0:
+        return sums, maxima
+    amax = norm(x, ord=math.inf).to(_F64)          # NaN propagates, so does Inf
+    maxima[0] = amax
+    if q is None:
+        sums[6] = (~torch.isfinite(amax)).to(_F64)
+        return sums, maxima
+    q = q.detach()
+    info = format_info(fmt)
+    # q - x is exact in x's dtype (Sterbenz: q is 0 or within a factor 2 of x), except for
+    # HiFP8 saturating far above its maximum, which is done in float64.
+    diff = q.to(_F64) - x.to(_F64) if info.kind == "hifp8" else q - x
+    sums[4] = norm(x, **f64).square()
+    sums[5] = norm(diff, **f64).square()
+    sums[6] = (~torch.isfinite(sums[4] + sums[5])).to(_F64)
+    nonzero = torch.count_nonzero(x)
+    sums[1] = nonzero
+    sums[2] = nonzero - torch.count_nonzero(q)       # x == 0 gives q == 0
+    if info.kind == "mx":
+        dim = axis % x.dim()
+        exps = mx_shared_exponents(x, fmt, axis=dim, scale_mode=scale_mode)
+        work = x if x.dtype in (torch.float32, _F64) else x.float()
+        limit = torch.ldexp(torch.full(exps.shape, info.max_normal, dtype=work.dtype,
+                                       device=x.device), exps.clamp(max=MAX_EXPONENT_FIELD))
+        blocks = _block_view(work.abs(), dim, info.block_size)
+        sums[3] = torch.count_nonzero(blocks > limit.unsqueeze(dim + 1))
+        maxima[1] = (-exps.amin()).to(_F64)
+        maxima[2] = exps.amax().to(_F64)
+    elif info.kind == "hifp8":
+        k = torch.as_tensor(0 if hifp8_scale_exponent is None else hifp8_scale_exponent,
+                            device=x.device).to(torch.int32)
+        magnitude = x.abs()
+        # Thresholds on the caller's side of the scale: value * 2**-k, exact in x's dtype.
+        sums[3] = torch.count_nonzero(q.abs() >= _scaled(info.max_normal, k, x))
+        overflow = torch.count_nonzero(magnitude >= _scaled(HIFP8_OVERFLOW, k, x))
+        _, exponent = torch.frexp(magnitude)
+        bins = (exponent + (k - 1 + _E_OFFSET)).clamp_(0, _E_BINS - 1).reshape(-1)
+        hist = torch.bincount(bins, minlength=_E_BINS).to(_F64)
+        # zeros have frexp exponent 0: remove them from their bin
+        zero_bin = (k - 1 + _E_OFFSET).clamp(0, _E_BINS - 1).reshape(1).long()
+        hist.index_add_(0, zero_bin, (nonzero - x.numel()).to(_F64).reshape(1))
+        matrix = _REGION_MATRICES.get(x.device)
+        if matrix is None:
+            matrix = _REGION_MATRICES[x.device] = _region_matrix(x.device)
+        regions = hist @ matrix
+        mant1, over = HIFP8_REGIONS.index("mant1"), HIFP8_REGIONS.index("overflow")
+        regions[mant1] -= overflow - regions[over]   # e = 15 at or above 40960 overflows
+        regions[over] = overflow.to(_F64)
+        sums[7:] = regions
+    elif info.kind == "float":
+        sums[3] = torch.count_nonzero(x.abs() > info.max_normal)
+    return sums, maxima

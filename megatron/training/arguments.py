@@ -336,6 +336,14 @@ def _add_logging_args(parser):
                        help="Write TensorBoard scalars to this directory.")
     group.add_argument("--tensorboard-log-interval", type=int, default=1,
                        help="Report to TensorBoard every this many iterations.")
+    group.add_argument("--wandb-project", type=str, default=None,
+                       help="Also log the scalars to this Weights & Biases project (needs the "
+                            "wandb package; without it a warning is printed and training goes "
+                            "on).")
+    group.add_argument("--wandb-exp-name", type=str, default=None,
+                       help="The W&B run name (default: W&B's own).")
+    group.add_argument("--wandb-save-dir", type=str, default=None,
+                       help="Where W&B keeps its local files (default: W&B's own).")
     return parser
 
 

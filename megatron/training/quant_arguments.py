@@ -77,6 +77,13 @@ def add_quantization_args(parser):
     group.add_argument("--quant-compile", action="store_true",
                        help="Run fake quantization through torch.compile (fused kernels; "
                             "results are bit for bit those of eager mode).")
+    group.add_argument("--quant-stats-interval", type=int, default=0,
+                       help="Every N iterations, measure each GEMM operand's quantization "
+                            "(saturated %%, flushed %%, SQNR, relative error, amax, MX scale "
+                            "exponents or HiFP8 region shares; amax alone for operands kept in "
+                            "high precision), reduced over all ranks, and log it to TensorBoard "
+                            "as quant/<site>/<gemm>.<operand>/<metric>, to W&B and as the worst "
+                            "site in the log line. 0 (default): off.")
     group.add_argument("--quant-check", action="store_true",
                        help="Print the effective per-GEMM quantization configuration and exit.")
     return parser
@@ -96,6 +103,9 @@ def quant_config_from_args(args) -> QuantConfig:
 
 def validate_quantization_args(args):
     """Resolve the scheme (flag, else $CUSTOM_QUANT_TYPE, else bf16) into args.quant_config."""
+    if args.quant_stats_interval < 0:
+        raise ConfigError(f"--quant-stats-interval {args.quant_stats_interval}: must be >= 0 "
+                          "(0 = off, N = every N iterations)")
     try:
         if args.quant_scheme is None:
             args.quant_scheme = scheme_from_env()

@@ -37,6 +37,8 @@ from megatron.training.capture_arguments import run_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.data_files import check_dataset_files
 from megatron.training.precision import describe_precision
+from megatron.training.quant_stats import QuantStatsCallback
+from megatron.training.wandb_writer import open_wandb, wandb_problem
 from megatron.training.initialize import (
     destroy_distributed,
     initialize_distributed,
@@ -283,14 +285,31 @@ class _TrainingLogger:
     def __init__(self, args):
         self.args = args
         self.writer = None
-        if args.tensorboard_dir and is_last_rank():
-            from torch.utils.tensorboard import SummaryWriter
+        self.wandb = None
+        if is_last_rank():
+            if args.tensorboard_dir:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+                self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+            self.wandb = open_wandb(args)
         self.interval_start = time.perf_counter()
         self.interval_iters = 0
         self.skipped = 0
         self.nan_iters = 0
+        self.quant_summary = None
+
+    def scalars(self, values: Dict[str, float], iteration: int) -> None:
+        """Write scalars to TensorBoard and W&B (whichever are open)."""
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(dict(values), step=iteration)
+
+    def log_quant_stats(self, iteration: int, tags: Dict[str, float], summary: str) -> None:
+        """--quant-stats-interval results: scalars now, the summary in the next log line."""
+        self.scalars(tags, iteration)
+        self.quant_summary = summary
 
     def log_iteration(self, iteration, loss, lr, grad_norm, skipped, consumed_samples):
         args = self.args
@@ -298,12 +317,13 @@ class _TrainingLogger:
         self.skipped += int(skipped)
         if loss is not None and not math.isfinite(loss):
             self.nan_iters += 1
-        if self.writer is not None and iteration % args.tensorboard_log_interval == 0:
+        if iteration % args.tensorboard_log_interval == 0:
+            values = {"learning-rate": lr}
             if loss is not None:
-                self.writer.add_scalar("lm loss", loss, iteration)
-            self.writer.add_scalar("learning-rate", lr, iteration)
+                values["lm loss"] = loss
             if grad_norm is not None:
-                self.writer.add_scalar("grad-norm", grad_norm, iteration)
+                values["grad-norm"] = grad_norm
+            self.scalars(values, iteration)
         if iteration % args.log_interval != 0:
             return
         elapsed = time.perf_counter() - self.interval_start
@@ -323,9 +343,11 @@ class _TrainingLogger:
             parts.append(f"grad norm: {grad_norm:.3f}")
         parts.append(f"number of skipped iterations: {self.skipped:3d}")
         parts.append(f"number of nan iterations: {self.nan_iters:3d}")
-        if self.writer is not None:
-            self.writer.add_scalar("throughput-tokens-per-s", tokens_per_s, iteration)
-            self.writer.add_scalar("iteration-time-ms", ms_per_iter, iteration)
+        if self.quant_summary:
+            parts.append(self.quant_summary)
+            self.quant_summary = None
+        self.scalars({"throughput-tokens-per-s": tokens_per_s, "iteration-time-ms": ms_per_iter},
+                     iteration)
         # The loss lives on the last pipeline stage.
         print_rank_last(" | ".join(parts) + " |")
         self.interval_start = time.perf_counter()
@@ -340,14 +362,18 @@ class _TrainingLogger:
         line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
                 f"lm loss PPL: {ppl:.6E} |")
         print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        self.scalars({"lm loss validation": loss}, iteration)
         if self.writer is not None:
-            self.writer.add_scalar("lm loss validation", loss, iteration)
             self.writer.flush()
 
     def close(self):
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+            self.writer = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,6 +424,8 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     print_rank_0(f"{args.quant_config.describe(args.num_layers)}\n"
                  f"(scheme from {args.quant_scheme_source})")
     print_rank_0(describe_precision(args))
+    if wandb_problem(args):
+        print_rank_0(wandb_problem(args))
     print_rank_0(f"[{_timestamp()}] tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} "
                  f"(padded to {args.padded_vocab_size})")
 
@@ -424,8 +452,13 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     train_iter = build_data_iterator(train_ds, consumed_samples, args, dp_rank, dp_size)
     valid_iter = build_data_iterator(valid_ds, 0, args, dp_rank, dp_size, cyclic=True)
 
+    logger = _TrainingLogger(args)
     capture = capture_callback(args)
     callbacks = callbacks + ([capture] if capture is not None else [])
+    if args.quant_stats_interval:
+        callbacks.append(QuantStatsCallback(
+            args.quant_stats_interval, logger.log_quant_stats,
+            ep_rank=parallel_state.get_expert_model_parallel_rank()))
     for cb in callbacks:
         cb.on_train_start([ddp_model], iteration)
 
@@ -437,7 +470,6 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
         micro_batch["index"] += 1
         return forward_step_func(data_iterator, model)
 
-    logger = _TrainingLogger(args)
     signals = _SignalHandler()
     print_rank_0(f"[{_timestamp()}] training from iteration {iteration} to {args.train_iters} "
                  f"({args.num_micro_batches} micro-batches of {args.micro_batch_size} per "

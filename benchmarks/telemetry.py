@@ -1,0 +1,84 @@
+"""Overhead of --quant-stats-interval on llama-tiny (CPU): step time with telemetry every N
+iterations against none, measured side by side in one process.
+
+Runs alternate (off, on, off, on, ...) on the same model, data and settings so that drifts of
+the machine's speed hit both; each run's figure is its MEAN step time after warm-up (a median
+would hide the measured iterations). The overhead is mean(on) / mean(off) - 1; target: <= 5%
+at interval 10.
+
+    python benchmarks/telemetry.py [--interval 10] [--iters 40] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+import pretrain_gpt  # noqa: E402
+from megatron.training.training import TrainingCallback, pretrain  # noqa: E402
+
+
+class StepTimer(TrainingCallback):
+    def __init__(self):
+        self.times = {}
+        self._start = None
+
+    def on_iteration_start(self, iteration):
+        self._start = time.perf_counter()
+
+    def on_iteration_end(self, iteration):
+        self.times[iteration] = time.perf_counter() - self._start
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scheme", default="FA_linear_mxfp8", help="Quantization scheme.")
+    parser.add_argument("--interval", type=int, default=10, help="--quant-stats-interval.")
+    parser.add_argument("--iters", type=int, default=40, help="Timed iterations per run.")
+    parser.add_argument("--warmup", type=int, default=3, help="Untimed first iterations.")
+    parser.add_argument("--repeats", type=int, default=2, help="Runs of each setting.")
+    parser.add_argument("--seq-length", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    total = args.warmup + args.iters
+    base = ["--model-preset", "llama-tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "8192", "--seq-length", str(args.seq_length), "--bf16",
+            "--micro-batch-size", "4", "--global-batch-size", "4", "--lr", "1e-3",
+            "--train-iters", str(total), "--log-interval", "1000", "--eval-iters", "0",
+            "--num-workers", "0", "--quant-scheme", args.scheme]
+    means = {"off": [], "on": []}
+    measured, plain = [], []
+    for _ in range(args.repeats):
+        for setting in ("off", "on"):
+            flags = ["--quant-stats-interval", str(args.interval)] if setting == "on" else []
+            timer = StepTimer()
+            pretrain(pretrain_gpt.forward_step, base + flags, callbacks=[timer])
+            timed = {it: t for it, t in timer.times.items() if it > args.warmup}
+            means[setting].append(statistics.mean(timed.values()))
+            if setting == "on":
+                measured += [t for it, t in timed.items() if it % args.interval == 0]
+                plain += [t for it, t in timed.items() if it % args.interval]
+    off, on = statistics.mean(means["off"]), statistics.mean(means["on"])
+    print(f"\nllama-tiny, {args.scheme}, bf16, {args.seq_length} x 4 tokens per step, torch "
+          f"threads {os.environ.get('OMP_NUM_THREADS', 'default')}, {args.repeats} runs of "
+          f"{args.iters} timed iterations per setting")
+    print(f"mean step, telemetry off            : {1000 * off:8.1f} ms "
+          f"(runs: {', '.join(f'{1000 * m:.1f}' for m in means['off'])})")
+    print(f"mean step, every {args.interval:<3d} iterations    : {1000 * on:8.1f} ms "
+          f"(runs: {', '.join(f'{1000 * m:.1f}' for m in means['on'])})")
+    if measured and plain:
+        print(f"  a measured step / an unmeasured one: "
+              f"{statistics.mean(measured) / statistics.mean(plain):.2f}x")
+    overhead = 100.0 * (on / off - 1.0)
+    print(f"overhead at interval {args.interval}: {overhead:+.1f}% (target <= 5%): "
+          f"{'met' if overhead <= 5.0 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

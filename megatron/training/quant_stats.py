@@ -1,0 +1,84 @@
+"""--quant-stats-interval: quantization telemetry of the running training, as scalars.
+
+Every N iterations the QuantTelemetry observer (megatron/tensor_capture/telemetry.py)
+measures every GEMM operand during the step; after it, one reduction over all ranks gives
+per-(site, operand) metrics, written as `quant/<site>/<gemm>.<operand>/<metric>` (e.g.
+`quant/L2.linear_fc2/fprop.input/flushed_pct`) plus `quant/worst/saturated_pct` and
+`quant/worst/flushed_pct`, and summarised in the next log line by the worst site.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+from megatron.quantization.observers import register_observer, unregister_observer
+from megatron.tensor_capture.callback import collect_sites
+from megatron.tensor_capture.telemetry import QuantTelemetry, site_label
+
+Results = Dict[Tuple[str, str], Dict[str, float]]
+
+
+def scalar_tags(results: Results) -> Dict[str, float]:
+    """{tag: value} for TensorBoard / W&B, worst-case tags included."""
+    tags = {f"quant/{site}/{operand}/{metric}": value
+            for (site, operand), values in sorted(results.items())
+            for metric, value in values.items()}
+    for metric in ("saturated_pct", "flushed_pct"):
+        worst = worst_operand(results, metric)
+        if worst is not None:
+            tags[f"quant/worst/{metric}"] = worst[1]
+    return tags
+
+
+def worst_operand(results: Results, metric: str) -> Optional[Tuple[str, float]]:
+    """('site operand', value) with the largest `metric`, or None if nothing has it."""
+    candidates = [(f"{site} {operand}", values[metric])
+                  for (site, operand), values in results.items() if metric in values]
+    return max(candidates, key=lambda c: c[1]) if candidates else None
+
+
+def summary(results: Results, iteration: int) -> str:
+    """The log-line part: the worst saturated and flushed operands of a measured iteration."""
+    parts = []
+    for metric, label in (("saturated_pct", "saturated"), ("flushed_pct", "flushed")):
+        worst = worst_operand(results, metric)
+        if worst is not None:
+            parts.append(f"{label} {worst[1]:.3g}% ({worst[0]})")
+    if not parts:
+        return f"quant stats (it {iteration}): nothing quantized"
+    return f"quant worst (it {iteration}): " + ", ".join(parts)
+
+
+class QuantStatsCallback:
+    """A training callback (see training.TrainingCallback) measuring every `interval`-th
+    iteration and handing {tag: value} and the summary to `emit(iteration, tags, summary)`."""
+
+    def __init__(self, interval: int, emit: Callable[[int, Dict[str, float], str], None],
+                 ep_rank: int = 0):
+        self.interval = interval
+        self.emit = emit
+        self.ep_rank = ep_rank
+        self.telemetry: Optional[QuantTelemetry] = None
+
+    def on_train_start(self, model_chunks, iteration: int) -> None:
+        labels = {name: site_label(info.layer, info.module, info.kind)
+                  for name, info in collect_sites(model_chunks, self.ep_rank).items()}
+        self.telemetry = register_observer(QuantTelemetry(labels))
+
+    def on_iteration_start(self, iteration: int) -> None:
+        if iteration % self.interval == 0:
+            self.telemetry.begin()
+
+    def on_micro_batch_start(self, iteration: int, micro_batch: int) -> None:
+        pass
+
+    def on_iteration_end(self, iteration: int) -> Optional[str]:
+        if self.telemetry is not None and self.telemetry.active:
+            results = self.telemetry.reduce()
+            self.emit(iteration, scalar_tags(results), summary(results, iteration))
+        return None
+
+    def on_train_end(self, exit_reason: str) -> None:
+        if self.telemetry is not None:
+            unregister_observer(self.telemetry)
+            self.telemetry = None
