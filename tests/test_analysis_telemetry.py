@@ -137,6 +137,10 @@ def test_summary_names_the_worst_operands(tensorboard):
                      and e[4] == "saturated_pct"), key=lambda e: e[5])
     assert mx["max_saturated_pct"]["value"] == pytest.approx(saturated[5], rel=1e-6)
     assert doc["schemes"]["bf16"]["quantized_operands"] == 0
+    zero = summary(frame.assign(value=frame.value.where(frame.metric != "flushed_pct", 0.0)),
+                   [root])
+    assert zero["schemes"]["FA_linear_mxfp8"]["max_flushed_pct"] == {
+        "value": 0.0, "site": None, "operand": None, "step": None}   # nothing to single out
     assert mx["nonfinite"] is None
     assert doc["schemes"]["FA_linear_hifp8"]["nonfinite"] == {
         "operands": 1, "first_step": 30, "site": "L2.linear_fc2",

@@ -200,7 +200,7 @@ def loss_table(doc: dict) -> Optional[Table]:
 
 
 def _where(item: Optional[dict], with_step: bool = True) -> Optional[str]:
-    if not item:
+    if not item or item.get("site") is None:
         return None
     step = f", it {item['step']}" if with_step else ""
     return f"{item['site']} {item['operand']}{step}"

@@ -152,6 +152,9 @@ def _worst(rows, metric: str, largest: bool) -> Optional[dict]:
     if values.empty:
         return None
     row = values.loc[values["value"].idxmax() if largest else values["value"].idxmin()]
+    if largest and row["value"] == 0:
+        # Nothing saturated (or flushed) anywhere: no operand to single out.
+        return {"value": 0.0, "site": None, "operand": None, "step": None}
     return {"value": float(row["value"]), "site": row["site"],
             "operand": f"{row['gemm']}.{row['operand']}", "step": int(row["step"])}
 
