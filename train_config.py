@@ -175,15 +175,6 @@ def build_parser(fa: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def split_extra(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """(own flags, flags after the first '--')."""
-    argv = list(argv)
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
-
-
 def _requested(values: Optional[Sequence[str]], default: str, every: Sequence[str]) -> List[str]:
     """Repeated / comma-separated names, 'all' expanded, order kept, duplicates dropped."""
     names: List[str] = []
@@ -317,7 +308,7 @@ def estimate_memory(cmds: Sequence[ex.Command]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None, fa: bool = False) -> int:
-    own, extra = split_extra(sys.argv[1:] if argv is None else argv)
+    own, extra = ex.split_extra(sys.argv[1:] if argv is None else argv)
     parser = build_parser(fa)
     args = parser.parse_args(own)
     if args.list:

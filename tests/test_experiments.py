@@ -153,7 +153,10 @@ class TestMatrix:
                              timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "[]"
-        assert "warn" not in out.stderr.lower(), out.stderr
+        assert "UserWarning" not in out.stderr and "Apex" not in out.stderr, out.stderr
+        # The one warning is the plan's: 8B tokens on the 1.66 M-token embedded corpus.
+        warnings = [l for l in out.stderr.splitlines() if "warning" in l.lower()]
+        assert warnings and all("epoch" in l for l in warnings), out.stderr
 
     def test_library_does_not_reach_into_the_checkout(self):
         """Paths come from the callers; nothing under the package locates the repository."""

@@ -32,6 +32,7 @@ from megatron.analysis.losses import parse_log_text
 from megatron.quantization.schemes import SCHEMES
 from megatron.training import corpora
 from megatron.training.bpe_tokenizer import DEFAULT_VOCAB_SIZE
+from megatron.training.experiments.commands import split_extra
 
 DEFAULT_SCHEMES = ("bf16", "FA_linear_mxfp8", "FA_linear_mxfp4", "FA_linear_hifp8",
                    "FA_linear_hifp8_scaled=FA_linear_hifp8 --hifp8-scaling tensor",
@@ -160,14 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="Print the commands and exit.")
     return p
-
-
-def split_passthrough(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
-    argv = list(argv)
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
 
 
 def resolve_data(args) -> Tuple[List[str], str]:
@@ -344,7 +337,7 @@ def write_results(runs: List[Run], baseline: str, budget: dict, out: Path) -> di
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    own, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
+    own, extra = split_extra(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(own)
     log = lambda msg: print(msg, flush=True)  # noqa: E731

@@ -19,7 +19,7 @@ from megatron.training.experiments.commands import (
     DEFAULT_RUNS_DIR, Capture, Command, Experiment, build_command, capture_args,
     check_experiment, data_args, data_prefix, display_path, dtype_args, eval_and_logging_args,
     format_number, matrix, missing_inputs, model_args, parallel_args, quant_args,
-    resolve_torchrun, tokenizer_args, torchrun_args, training_args)
+    resolve_torchrun, split_extra, tokenizer_args, torchrun_args, training_args)
 from megatron.training.experiments.listing import (
     describe_fa_quantization, describe_layout, describe_quant_scheme, describe_training_config,
     format_listing)

@@ -358,3 +358,12 @@ def matrix(models: Sequence[str] = MATRIX_MODELS, datasets: Sequence[str] = DATA
     """Every experiment of the given names (default: the 3 x 2 x 10 x 2 matrix)."""
     return [Experiment(model=m, dataset=d, quant_scheme=s, training_config=c)
             for m in models for d in datasets for s in quant_schemes for c in training_configs]
+
+
+def split_extra(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(own flags, flags after the first '--'): the pass-through convention of the drivers."""
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
