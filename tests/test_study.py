@@ -174,3 +174,21 @@ def test_tiny_study_end_to_end(data_root, tmp_path):
     assert "reusing 4 finished run(s)" in log and "[study] start" not in log
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/seed*/result.json")} == stamps
     assert json.loads((out / "study.json").read_text())["schemes"] == schemes
+
+
+def test_gpu_recipe_dry_run(capsys):
+    from megatron.training.study import main
+    assert main(["--dry-run", "--pretrain-script", f"{REPO_ROOT}/pretrain_gpt.py",
+                 "--model-preset", "llama32-1b", "--tokenizer", "llama3", "--data-path",
+                 "/data/corpus_text_document", "--launcher",
+                 "torchrun --standalone --nproc-per-node 8", "--tokens", "2000000000",
+                 "--seq-length", "4096", "--global-batch-size", "256", "--schemes", "bf16",
+                 "FA_linear_mxfp4", "--seeds", "3", "--", "--num-workers", "2"]) == 0
+    commands = capsys.readouterr().out.splitlines()
+    assert len(commands) == 6
+    first = commands[0].split()
+    assert first[:4] == ["torchrun", "--standalone", "--nproc-per-node", "8"]
+    assert "--bf16" in first and first[-2:] == ["--num-workers", "2"]
+    assert first[first.index("--train-iters") + 1] == str(math.ceil(2e9 / (256 * 4096)))
+    assert [c.split()[c.split().index("--seed") + 1] for c in commands] == \
+        ["1", "1", "2", "2", "3", "3"]

@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s).")
     p.add_argument("--data-root", default=str(corpora.DEFAULT_DATA_ROOT),
                    help="Data root (default: %(default)s).")
+    p.add_argument("--data-path", nargs="+", default=None,
+                   help="Your own preprocessed data (PREFIX or W1 PREFIX1 W2 PREFIX2 ..., "
+                        "Llama 3 tokens) instead of --dataset; with --tokenizer llama3.")
+    p.add_argument("--launcher", default=None,
+                   help="Command that starts each training, e.g. 'torchrun --standalone "
+                        "--nproc-per-node 8' on a GPU node (default: this Python, one "
+                        "process; with a launcher --jobs defaults to 1).")
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=4)
@@ -165,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_data(args) -> Tuple[List[str], str]:
     """(data and tokenizer flags, tokenizer description), building the data if needed."""
+    if args.data_path:
+        if args.tokenizer != "llama3":
+            raise ValueError("--data-path: your own data is tokenized with Llama 3 (pass "
+                             "--tokenizer llama3), or pass its tokenizer after '--'")
+        return ["--data-path", *args.data_path, "--tokenizer-type", "Llama3Tokenizer"], \
+            "Llama 3 (128,256)"
     if args.tokenizer == "llama3":
         prefix = corpora.ensure_embedded_dataset(args.dataset, args.data_root)
         return ["--data-path", prefix, "--tokenizer-type", "Llama3Tokenizer"], "Llama 3 (128,256)"
@@ -201,11 +214,12 @@ def common_flags(args, iters: int, data_flags: List[str]) -> List[str]:
 
 def plan_runs(args, specs: List[SchemeSpec], flags: List[str], extra: List[str],
               out: Path) -> List[Run]:
+    launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
     runs = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for spec in specs:        # seed-major: every scheme of a seed before the next seed
             directory = out / "runs" / spec.label / f"seed{seed}"
-            argv = [sys.executable, args.pretrain_script, *flags,
+            argv = [*launcher, args.pretrain_script, *flags,
                     "--quant-scheme", spec.scheme, *spec.flags, "--seed", str(seed),
                     "--tensorboard-dir", str(directory / "tensorboard"),
                     "--data-cache-path", str(directory / "data-cache"), *extra]
@@ -354,7 +368,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: must be >= 1")
     cores = os.cpu_count() or 1
-    jobs = min(args.jobs or cores, cores)
+    # A launcher (torchrun on GPUs) runs one training on the whole node at a time.
+    jobs = min(args.jobs or (1 if args.launcher else cores), cores)
     if jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1")
     if not os.path.isfile(args.pretrain_script):
