@@ -4,12 +4,13 @@ write the analysis report. Every run trains in bf16 (--bf16): the bf16 scheme is
 run and the others differ from it only in their simulated GEMMs.
 
 For each scheme:
-  1. train `--train-iters` iterations, logging to runs/demo/logs/{scheme}.log and TensorBoard,
-     saving the checkpoint to runs/demo/checkpoints/{scheme};
+  1. train `--train-iters` iterations, logging to runs/demo/logs/{scheme}.log and TensorBoard
+     (with quantization telemetry every --quant-stats-interval iterations), saving the
+     checkpoint to runs/demo/checkpoints/{scheme};
   2. resume from that checkpoint for one more iteration with tensor capture on
      (runs/demo/tensors/{scheme}/), so the captured tensors are those of the trained model;
-then `tools/visualization/tensor_visualizer.py` turns the captures and the three training logs
-into runs/demo/report/report.html.
+then `tools/visualization/tensor_visualizer.py` turns the captures, the three training logs and
+the telemetry into runs/demo/report/report.html.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def parse_args(argv=None):
                         help="Micro-batch size (default: %(default)s).")
     parser.add_argument("--global-batch-size", type=int, default=4,
                         help="Global batch size (default: %(default)s; 2 micro-batches).")
+    parser.add_argument("--quant-stats-interval", type=int, default=5,
+                        help="Quantization telemetry every N training iterations (default: "
+                             "%(default)s; 0 = off), shown over time in the report.")
     parser.add_argument("--data-root", default=os.path.join(REPO_ROOT, "data"),
                         help="Where the embedded datasets live (built if missing).")
     parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "runs", "demo"),
@@ -93,7 +97,9 @@ def main(argv=None):
         train_log = os.path.join(logs, f"{scheme}.log")
         run_logged(common + ["--quant-scheme", scheme, "--train-iters", str(args.train_iters),
                              "--save", ckpt, "--tensorboard-dir",
-                             os.path.join(out, "tensorboard", scheme)], train_log)
+                             os.path.join(out, "tensorboard", scheme),
+                             "--quant-stats-interval", str(args.quant_stats_interval)],
+                   train_log)
         loss_logs.append(f"{scheme}={train_log}")
         print(f"[demo] {scheme}: capturing one iteration of the trained model", flush=True)
         run_logged(common + ["--quant-scheme", scheme, "--train-iters",
@@ -110,7 +116,8 @@ def main(argv=None):
     subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "visualization",
                                                  "tensor_visualizer.py"),
                     "--tensor-dir", tensors, "--output-dir", report, "--no-progress",
-                    "--loss-logs", *loss_logs], check=True,
+                    "--loss-logs", *loss_logs,
+                    "--tensorboard-dir", os.path.join(out, "tensorboard")], check=True,
                    env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     print(f"\n[demo] finished in {(time.time() - start) / 60:.1f} min")
     print(f"  training logs : {logs}")
