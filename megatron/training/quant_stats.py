@@ -9,6 +9,7 @@ per-(site, operand) metrics, written as `quant/<site>/<gemm>.<operand>/<metric>`
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 from megatron.quantization.observers import register_observer, unregister_observer
@@ -16,6 +17,7 @@ from megatron.tensor_capture.callback import collect_sites
 from megatron.tensor_capture.telemetry import QuantTelemetry, site_label
 
 Results = Dict[Tuple[str, str], Dict[str, float]]
+_LIVE: "weakref.WeakSet[QuantTelemetry]" = weakref.WeakSet()
 
 
 def scalar_tags(results: Results) -> Dict[str, float]:
@@ -61,9 +63,13 @@ class QuantStatsCallback:
         self.telemetry: Optional[QuantTelemetry] = None
 
     def on_train_start(self, model_chunks, iteration: int) -> None:
+        # A run that died mid-step in this process may have left its observer registered.
+        for stale in list(_LIVE):
+            unregister_observer(stale)
         labels = {name: site_label(info.layer, info.module, info.kind)
                   for name, info in collect_sites(model_chunks, self.ep_rank).items()}
         self.telemetry = register_observer(QuantTelemetry(labels))
+        _LIVE.add(self.telemetry)
 
     def on_iteration_start(self, iteration: int) -> None:
         if iteration % self.interval == 0:
