@@ -42,7 +42,21 @@ def forward_step(data_iterator, model):
     return output_tensor, partial(loss_func, loss_mask)
 
 
+def code_version() -> str:
+    """`git describe` of this checkout (recorded in the log and capture run files), or
+    "unknown" outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)),
+                              "describe", "--always", "--dirty", "--tags"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
 if __name__ == "__main__":
     from megatron.training.cli import main
 
-    sys.exit(main(forward_step))
+    sys.exit(main(forward_step, code_version=code_version()))

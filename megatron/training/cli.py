@@ -31,14 +31,17 @@ def optional_kernels_notice() -> str:
             "PyTorch implementations (expected on a CPU; the simulated GEMMs never need them)")
 
 
-def main(forward_step_func, argv=None, extra_args_provider=None) -> int:
-    """Run pretraining; configuration errors become one `error: ...` line and exit code 2."""
+def main(forward_step_func, argv=None, extra_args_provider=None,
+         code_version: str = "unknown") -> int:
+    """Run pretraining; configuration errors become one `error: ...` line and exit code 2.
+    `code_version` (the entry point's `git describe`) is recorded as args.git_commit."""
     start_time = time.time()
     try:
         args = validate_args(parse_args(argv, extra_args_provider))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    args.git_commit = code_version
     warnings.filterwarnings("ignore", message=_FALLBACK_WARNINGS)
     # Imported here, not at the top: the lines above must not wait for megatron-core.
     from megatron.training.training import is_rank_0, pretrain_with_args
