@@ -168,6 +168,28 @@ def test_tiny_study_end_to_end(data_root, tmp_path):
     assert "| mx4 | 2 |" in (out / "study.md").read_text()
     assert "<table>" in (out / "study.html").read_text()
 
+    # The analysis report renders it as a section (table, notes, figure).
+    report = tmp_path / "report"
+    proc = subprocess.run([sys.executable, f"{REPO_ROOT}/tools/visualization/tensor_visualizer.py",
+                           "--study", str(out / "study.json"), "--output-dir", str(report),
+                           "--no-progress"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    html_text = (report / "report.html").read_text()
+    assert "Scheme study over seeds" in html_text and "<td>mx4</td>" in html_text
+    assert "Noise floor" in html_text and "<figure id='study_curves'>" in html_text
+    assert (report / "figures" / "study_curves.png").read_bytes() == png
+    text = (report / "statistics.txt").read_text()
+    assert "== Scheme study over seeds (tools/study.py) ==" in text
+    assert json.loads((report / "statistics.json").read_text())["study"]["schemes"] == schemes
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"runs": []}')
+    proc = subprocess.run([sys.executable, f"{REPO_ROOT}/tools/visualization/tensor_visualizer.py",
+                           "--study", str(broken), "--output-dir", str(report)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: --study {broken}: not a study.json (no 'baseline' str; tools/study.py "
+        "writes one)"]
+
     # A second invocation reuses every run and writes the same study.
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/seed*/result.json")}
     log, seconds = _study(data_root, out)

@@ -10,6 +10,7 @@ from typing import List, Optional
 
 from megatron.analysis.intlists import parse_int_list
 from megatron.analysis.pipeline import Options, analyze
+from megatron.analysis.study import load_study
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "training writes with --quant-stats-interval (quant/... scalars): "
                              "a --tensorboard-dir of one run, or a parent with one "
                              "sub-directory per scheme (the demo's tensorboard/).")
+    parser.add_argument("--study", default=None, metavar="STUDY_JSON",
+                        help="A tools/study.py study.json: its table (final losses over seeds, "
+                             "paired gaps with 95%% intervals, verdicts) and loss-curve figure "
+                             "become a section of the report.")
     parser.add_argument("--no-figures", action="store_true",
                         help="Skip the PNG figures (statistics and report tables only).")
     parser.add_argument("--no-progress", action="store_true",
@@ -81,14 +86,22 @@ def options_from_args(args) -> Options:
         max_records=args.max_records, manifest_only=args.manifest_only,
         loss_logs=list(args.loss_logs), loss_dirs=list(args.loss_dir),
         loss_baseline=args.loss_baseline, tensorboard_dirs=list(args.tensorboard_dir),
-        figures=not args.no_figures)
+        study=args.study, figures=not args.no_figures)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not (args.tensor_dir or args.loss_logs or args.loss_dir or args.tensorboard_dir):
-        parser.error("give --tensor-dir, --loss-logs / --loss-dir and/or --tensorboard-dir")
+    if not (args.tensor_dir or args.loss_logs or args.loss_dir or args.tensorboard_dir
+            or args.study):
+        parser.error("give --tensor-dir, --loss-logs / --loss-dir, --tensorboard-dir and/or "
+                     "--study")
+    if args.study:
+        try:
+            load_study(args.study)       # a bad file is one line before any work
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megatron.analysis import losses as loss_mod
+from megatron.analysis import study as study_mod
 from megatron.analysis import (plots, provenance, report, statistics, telemetry, telemetry_plots,
                                textreport)
 from megatron.analysis.comparison import common_tensors
@@ -44,6 +46,7 @@ class Options:
     loss_dirs: List[str] = field(default_factory=list)
     loss_baseline: str = "bf16"
     tensorboard_dirs: List[str] = field(default_factory=list)
+    study: Optional[str] = None          # a tools/study.py study.json
     figures: bool = True
 
 
@@ -118,6 +121,17 @@ def _select(entries, options: Options, problems: Problems):
     return chosen
 
 
+def _study_figure(study_json: str, figure_dir: str) -> Optional[dict]:
+    """The study's own figure (study.png beside study.json), copied among the figures."""
+    source = os.path.join(os.path.dirname(study_json), "study.png")
+    if not os.path.isfile(source):
+        return None
+    shutil.copyfile(source, os.path.join(figure_dir, "study_curves.png"))
+    return {"file": "study_curves.png", "title": "Scheme study: loss curves over seeds",
+            "caption": "Mean over seeds per scheme, band from the lowest to the highest seed "
+                       "(tools/study.py)."}
+
+
 def analyze(options: Options) -> AnalysisResult:
     t_start = time.perf_counter()
     problems = Problems()
@@ -137,7 +151,8 @@ def analyze(options: Options) -> AnalysisResult:
     curves = loss_mod.load_curves(options.loss_logs, options.loss_dirs, problems)
     telemetry_frame = _telemetry(options.tensorboard_dirs, options.quant_schemes, problems)
     has_telemetry = telemetry_frame is not None and not telemetry_frame.empty
-    if not result.groups and not curves and not has_telemetry:
+    study_doc = study_mod.load_study(options.study) if options.study else None
+    if not result.groups and not curves and not has_telemetry and not study_doc:
         reason = ("no valid capture records" if options.tensor_dirs else "no capture directory")
         if options.loss_logs or options.loss_dirs:
             reason += " and no readable loss logs"
@@ -175,6 +190,10 @@ def analyze(options: Options) -> AnalysisResult:
             position = 1 if curves else 0
             figures[position:position] = telemetry_plots.make_all(telemetry_frame, figure_dir,
                                                                   colors)
+    if study_doc and options.figures:
+        figure = _study_figure(options.study, figure_dir)
+        if figure:
+            figures.insert(0, figure)
     t_figures = time.perf_counter()
     timing = {"manifests_seconds": round(t_manifest - t_start, 3),
               "summaries_seconds": round(t_summary - t_manifest, 3),
@@ -200,6 +219,8 @@ def analyze(options: Options) -> AnalysisResult:
     doc = statistics.build(result, captures, problems, inputs, losses_doc, figures, timing,
                            provenance=origin, telemetry=telemetry_doc, outputs=outputs,
                            common=common)
+    if study_doc:
+        doc["study"] = study_doc
     statistics.write_json(os.path.join(outdir, "statistics.json"), doc)
     with open(os.path.join(outdir, "statistics.txt"), "w", encoding="utf-8") as f:
         f.write(textreport.render(doc))

@@ -83,6 +83,25 @@ def summarize(runs: List[dict], baseline: str) -> Dict[str, dict]:
     return schemes
 
 
+def load_study(path: str) -> dict:
+    """A study.json, checked enough to render: ValueError with one line otherwise."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--study {path}: cannot read it ({exc})") from None
+    for key, kind in (("baseline", str), ("budget", dict), ("runs", list), ("schemes", dict)):
+        if not isinstance(data, dict) or not isinstance(data.get(key), kind):
+            raise ValueError(f"--study {path}: not a study.json (no {key!r} {kind.__name__}; "
+                             "tools/study.py writes one)")
+    for name, entry in data["schemes"].items():
+        if not isinstance(entry, dict) or not {"seeds", "mean", "std"} <= set(entry):
+            raise ValueError(f"--study {path}: scheme {name!r} lacks seeds/mean/std")
+    return data
+
+
 def _fmt(value: Optional[float], digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 

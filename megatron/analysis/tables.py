@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from megatron.analysis import provenance
+from megatron.analysis import provenance, study
 from megatron.analysis.statistics import OUTPUT_SCHEME_KEY, OUTPUT_SCHEMES_KEY
 
 Cell = Tuple[object, str]       # (value, kind): kind "text", "int", "pct", "pct100", "db", "g"
@@ -239,9 +239,24 @@ def telemetry_table(doc: dict) -> Optional[Table]:
                   "'last' is the last logged iteration."])
 
 
+def study_table(doc: dict) -> Optional[Table]:
+    """The multi-seed study (--study study.json): final losses and paired gaps."""
+    data = doc.get("study")
+    if not data:
+        return None
+    rows = [[_t(cell) for cell in row] for row in study.table_rows(data)]
+    return Table("study", "Scheme study over seeds (tools/study.py)", list(study.HEADER), rows,
+                 [study.describe_budget(data) + f"; baseline {data['baseline']}.",
+                  study.noise_note(data),
+                  "Gap: the mean over seeds of the per-seed relative difference of the final "
+                  "validation loss, with its 95% t interval; 'within noise' when the interval "
+                  "contains 0."])
+
+
 def all_tables(doc: dict) -> List[Table]:
     """Every table in report order."""
     tables: Sequence[Optional[Table]] = (
-        [run_table(doc), captures_table(doc), format_table(doc)] + tensor_tables(doc)
+        [run_table(doc), study_table(doc), captures_table(doc), format_table(doc)]
+        + tensor_tables(doc)
         + [hifp8_table(doc), loss_table(doc), telemetry_table(doc)])
     return [t for t in tables if t is not None]
