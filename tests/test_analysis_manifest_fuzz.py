@@ -293,6 +293,7 @@ def test_a_line_nested_too_deeply_for_json_does_not_stop_the_analysis(capture, t
     text.insert(3, '{"format_version": 1, "metadata": ' + "[" * 100000 + "]" * 100000 + "}")
     _write_lines(directory, text)
     result, problems = _read(directory)
-    assert [p["kind"] for p in problems] == ["bad_manifest_line"]
-    assert "cannot read past line 3" in problems[0]["message"]
-    assert len(result.entries) == 3
+    assert [p["kind"] for p in problems] == ["truncated_manifest_line"]
+    assert ":4: skipping unparsable manifest line (the rest of the manifest is used)" in \
+        problems[0]["message"]
+    assert len(result.entries) == len(lines)      # every other line is used

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -27,9 +26,8 @@ from megatron.tensor_capture.format import MANIFEST_GLOB
 log = logging.getLogger("megatron.analysis")
 
 FORMAT_VERSIONS = capture_format.READABLE_VERSIONS
-# A record being written is `.{file name}.tmp` (docs/capture-format.md); one left behind means
-# the writer was stopped mid-write.
-TEMPORARY_GLOB = ".*.tmp"
+# A record left under its temporary name (format.TEMPORARY_GLOB) means the writer was stopped
+# mid-write.
 UNFINISHED_RUN = "unfinished_run"              # problem kind
 INCOMPLETE_RUN = "incomplete run (killed?)"    # how reports name such a capture
 RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -131,8 +129,8 @@ def read_manifest_file(path: str, problems: Problems) -> List[dict]:
                 continue
             item["_source"] = f"{os.path.basename(path)}:{number}"
             items.append(item)
-    except (RecursionError, OSError, ValueError) as exc:
-        # A line nested too deeply for the JSON parser ends the manifest's parser.
+    except (OSError, ValueError) as exc:
+        # The file itself could not be read (lines that do not parse are reported above).
         problems.add("bad_manifest_line", f"{path}: cannot read past line {number} "
                                           f"({type(exc).__name__}: {str(exc)[:80]}); the "
                                           "lines after it are not analysed")
@@ -178,7 +176,7 @@ def read_capture(directory: str, problems: Problems) -> Capture:
             entry = _entry(item, directory, capture.quant_scheme, problems)
             if entry is not None:
                 capture.entries.append(entry)
-    leftovers = capture_format.capture_files(directory, TEMPORARY_GLOB)
+    leftovers = capture_format.capture_files(directory, capture_format.TEMPORARY_GLOB)
     if leftovers:
         _incomplete(capture, problems, f"{directory} holds {len(leftovers)} temporary record "
                                        f"file(s) ({os.path.basename(leftovers[0])}, ...) of "
@@ -259,10 +257,7 @@ def load_record(path: str, directory: Optional[str] = None) -> dict:
     try:
         return capture_load.load_record(path)
     except capture_load.RecordError as exc:
-        if isinstance(exc.__context__, pickle.UnpicklingError):
-            # Never advise another way of loading it: unpickling anything else runs code.
-            raise UnreadableRecord(f"{path}: not a valid capture record (refused to unpickle: "
-                                   "it holds objects other than tensors and plain data)") from None
+        # Never advise another way of loading a refused file: unpickling it could run code.
         raise UnreadableRecord(_without_loader_advice(str(exc))) from None
 
 

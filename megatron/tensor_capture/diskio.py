@@ -17,14 +17,11 @@ import os
 import shutil
 from typing import Optional
 
+from megatron.tensor_capture.format import temporary_name as hidden_temporary
+
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # torch.save may need this much beyond the tensor bytes (zip headers, pickled metadata).
 SERIALIZER_SLACK = 1 << 20
-
-
-def hidden_temporary(path: str) -> str:
-    """`dir/.name.tmp`: the name a file has while it is being written."""
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
 
 
 def remove_quietly(path: str) -> None:

@@ -29,6 +29,13 @@ SCHEME_KEY = "quant_type"
 RUN_GLOB = "run-*.json"
 MANIFEST_GLOB = "manifest-*.jsonl"
 SUMMARY_GLOB = "summary-*.json"
+# A file being written is `.{name}.tmp` until it is complete and renamed to `name`.
+TEMPORARY_GLOB = ".*.tmp"
+
+
+def temporary_name(path: str) -> str:
+    """`dir/.name.tmp`: the name a capture file has while it is being written."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
 _MANIFEST_NAME = re.compile(r"^manifest-(?P<run>.+)-rank(?P<rank>\d+)\.jsonl$")
 _EXPERT = re.compile(r"(?:^|\.)experts\.local_experts\.(\d+)\.([^.]+)$")
 _SHARED = re.compile(r"(?:^|\.)shared_experts\.([^.]+)$")
@@ -256,7 +263,7 @@ def parse_manifest(path: str) -> Iterator[Tuple[int, Optional[dict], Optional[Tu
             continue
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):   # damaged, or nested too deep
             where = "truncated last" if number == len(lines) else "unparsable"
             yield number, None, ("truncated_manifest_line",
                                  f"{path}:{number}: skipping {where} manifest line")

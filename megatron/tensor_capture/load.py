@@ -27,6 +27,10 @@ class RecordError(ValueError):
     """A record file that cannot be read as a capture record (damaged, or not a record)."""
 
 
+class RecordRefused(RecordError):
+    """A file that holds objects other than tensors and plain data: it was not unpickled."""
+
+
 def load_record(path: str, map_location="cpu") -> dict:
     """A record file as its dict (format_version, tensor, tensor_info, metadata, ...),
     loaded with weights_only=True: no code is unpickled. A file that is missing raises
@@ -35,9 +39,8 @@ def load_record(path: str, map_location="cpu") -> dict:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         # Not torch's advice to retry with weights_only=False: that would run the file's code.
-        raise RecordError(f"{path}: refused: it holds objects other than tensors and plain "
-                          "data, so it is not a tensor-capture record (do not load it with "
-                          "weights_only=False)") from None
+        raise RecordRefused(f"{path}: not a valid capture record (refused to unpickle: it "
+                            "holds objects other than tensors and plain data)") from None
     except (RuntimeError, EOFError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RecordError(f"{path}: unreadable record ({reason}); the file is truncated or "

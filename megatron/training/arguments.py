@@ -259,6 +259,11 @@ def _add_checkpointing_args(parser):
                        help="Do not load optimizer state when loading a checkpoint.")
     group.add_argument("--no-load-rng", action="store_true",
                        help="Do not load the random number generator states.")
+    group.add_argument("--load-fallback-to-previous", action="store_true",
+                       help="When the checkpoint --load would read (the tracker's iteration) "
+                            "is incomplete or damaged, load the newest intact earlier "
+                            "iter_* checkpoint instead, saying so in one line. Without it such "
+                            "a checkpoint stops the run with one error line.")
     return parser
 
 

@@ -23,7 +23,6 @@ from megatron.tensor_capture.capture_file import read_capture_file
 from megatron.tensor_capture.config import MODES, CaptureConfig, rules_mode
 from megatron.tensor_capture.policy import (
     GROUPS, CaptureRule, Schedule, parse_filter, parse_kinds, parse_layers)
-from megatron.training.checkpoint_arguments import add_checkpoint_load_args
 from megatron.training.errors import ConfigError
 
 ENV_ENABLED = "TENSOR_SAVE_ENABLED"
@@ -100,9 +99,7 @@ def add_tensor_args(parser):
                        metavar="SECONDS",
                        help="Seconds to wait at the end of the run for the writer to finish "
                             "pending records before giving up on them (default 600).")
-    # ARGUMENT_GROUPS (arguments.py) has no entry for it yet: added with this group, which
-    # comes after the checkpointing group it joins.
-    return add_checkpoint_load_args(parser)
+    return parser
 
 
 def _env_flag(name: str) -> bool:
@@ -224,11 +221,12 @@ RUN_ARGS = (
     "num_micro_batches", "tensor_model_parallel_size", "pipeline_model_parallel_size",
     "data_parallel_size", "expert_model_parallel_size", "sequence_parallel", "num_experts",
     "multi_latent_attention", "quant_scheme", "linear_quant", "attn_qk_quant", "attn_pv_quant",
-    "quant_backward", "mx_scale_mode", "mx_grad_format", "quant_skip_layers",
-    "quant_output_layer", "bf16", "fp16", "seed", "lr", "train_iters", "tokenizer_type",
+    "quant_backward", "quant_fprop", "quant_dgrad", "quant_wgrad", "hifp8_scaling",
+    "mx_scale_mode", "mx_grad_format", "quant_skip_layers", "quant_output_layer",
+    "quant_stats_interval", "bf16", "fp16", "seed", "lr", "train_iters", "tokenizer_type",
     "vocab_size", "padded_vocab_size", "mock_data", "data_path", "tensor_save_mode",
     "tensor_save_layers", "tensor_save_filter", "tensor_save_kinds", "tensor_save_iters",
-    "tensor_save_interval", "tensor_save_config",
+    "tensor_save_interval", "tensor_save_config", "git_commit",
 )
 
 
