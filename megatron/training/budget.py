@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import struct
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import numpy as np
+
+from megatron.training.data_files import HEADER_BYTES, index_counts
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,6 @@ class DatasetBudget:
         return self.planned_tokens / self.train_tokens if self.train_tokens else float("inf")
 
 
-_IDX_MAGIC = b"MMIDIDX\x00\x00"
-_IDX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8     # magic, version, dtype code, sequences, documents
 DEFAULT_SPLIT = "969, 30, 1"                 # Megatron-LM's default --split
 
 
@@ -46,19 +45,13 @@ def split_fractions(split: str) -> List[float]:
 
 def training_split_tokens(prefix: str, split: str) -> int:
     """Tokens in the training split of the dataset at `prefix`, read from `prefix`.idx only
-    (megatron.core's index layout: header, int32 sequence lengths, int64 sequence pointers,
+    (the layout is in data_files.py: header, int32 sequence lengths, int64 sequence pointers,
     int64 document indices)."""
     path = prefix + ".idx"
-    with open(path, "rb") as handle:
-        header = handle.read(_IDX_HEADER_BYTES)
-    if len(header) < _IDX_HEADER_BYTES or not header.startswith(_IDX_MAGIC):
-        raise ValueError(f"{path} is not a megatron.core index file")
-    sequences, documents = struct.unpack("<QQ", header[18:34])
-    lengths = np.fromfile(path, dtype=np.int32, count=sequences, offset=_IDX_HEADER_BYTES)
+    _, sequences, documents = index_counts(path)      # a damaged index: one line
+    lengths = np.fromfile(path, dtype=np.int32, count=sequences, offset=HEADER_BYTES)
     doc_index = np.fromfile(path, dtype=np.int64, count=documents,
-                            offset=_IDX_HEADER_BYTES + 12 * sequences)
-    if len(lengths) != sequences or len(doc_index) != documents:
-        raise ValueError(f"{path} is shorter than its header says")
+                            offset=HEADER_BYTES + 12 * sequences)
     # doc_index[i] is the first sequence of document i; the last entry ends the last document.
     train_documents = int(round(split_fractions(split)[0] * (documents - 1)))
     return int(lengths[:doc_index[train_documents]].sum(dtype=np.int64))

@@ -33,8 +33,9 @@ def _read_at(f, offset: int, fmt: str):
     return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
 
 
-def expected_bin_size(idx_path: str) -> int:
-    """The `.bin` size an index describes; ConfigError if the index itself is damaged."""
+def index_counts(idx_path: str):
+    """(dtype code, sequences, documents) of an intact index; ConfigError (one line) if its
+    header is damaged or the file is shorter than the header says."""
     actual = os.path.getsize(idx_path)
     if actual < HEADER_BYTES:
         raise ConfigError(f"{idx_path} has {actual} bytes, less than the {HEADER_BYTES}-byte "
@@ -48,17 +49,24 @@ def expected_bin_size(idx_path: str) -> int:
         code = _read_at(f, 17, "<B")
         sequences = _read_at(f, 18, "<Q")
         documents = _read_at(f, 26, "<Q")
-        if version != 1 or code not in DTYPE_SIZES:
-            what = f"version {version}" if version != 1 else f"dtype code {code}"
-            raise ConfigError(f"{idx_path}: unknown index {what} (valid: version 1, dtype codes "
-                              f"{', '.join(map(str, sorted(DTYPE_SIZES)))}); {REBUILD}")
-        needed = HEADER_BYTES + sequences * (4 + 8) + documents * 8
-        if actual < needed:
-            raise ConfigError(f"{idx_path} has {actual} bytes, but its header ({sequences} "
-                              f"sequences, {documents} documents) needs {needed}: the file is "
-                              f"truncated; {REBUILD}")
-        if sequences == 0:
-            return 0
+    if version != 1 or code not in DTYPE_SIZES:
+        what = f"version {version}" if version != 1 else f"dtype code {code}"
+        raise ConfigError(f"{idx_path}: unknown index {what} (valid: version 1, dtype codes "
+                          f"{', '.join(map(str, sorted(DTYPE_SIZES)))}); {REBUILD}")
+    needed = HEADER_BYTES + sequences * (4 + 8) + documents * 8
+    if actual < needed:
+        raise ConfigError(f"{idx_path} has {actual} bytes, but its header ({sequences} "
+                          f"sequences, {documents} documents) needs {needed}: the file is "
+                          f"truncated; {REBUILD}")
+    return code, sequences, documents
+
+
+def expected_bin_size(idx_path: str) -> int:
+    """The `.bin` size an index describes; ConfigError if the index itself is damaged."""
+    code, sequences, _ = index_counts(idx_path)
+    if sequences == 0:
+        return 0
+    with open(idx_path, "rb") as f:
         last_length = _read_at(f, HEADER_BYTES + 4 * (sequences - 1), "<i")
         last_pointer = _read_at(f, HEADER_BYTES + 4 * sequences + 8 * (sequences - 1), "<q")
     if last_length < 0 or last_pointer < 0:
