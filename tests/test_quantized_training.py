@@ -60,15 +60,19 @@ def test_scheme_quantizes_exactly_its_gemms(scheme):
     assert counter.quantized_kinds() == expected_kinds
     fmt = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "hifp8": "hifp8"}.get(scheme.rsplit("_", 1)[-1])
     # 2 iterations x 2 micro-batches; 2 layers; 4 linears per layer (qkv, proj, fc1, fc2).
+    # The end-of-training validation adds forwards: --eval-iters 1 x 2 micro-batches.
     runs = 2 * 2 * 2
+    forwards = runs + 1 * 2 * 2
+    assert sorted(result.val_losses) == [2]
     for kind, sites_per_layer in (("attn_qk", 1), ("linear", 4)):
         if kind not in expected_kinds:
             continue
         a, b = ("a", "b") if kind == "attn_qk" else ("input", "weight")
         for gemm, operands in (("fprop", (a, b)), ("dgrad", ("grad_output", b)),
                                ("wgrad", (a, "grad_output"))):
+            expected = (forwards if gemm == "fprop" else runs) * sites_per_layer
             for operand in operands:
-                assert counter.quantized[(kind, gemm, operand, fmt)] == runs * sites_per_layer, \
+                assert counter.quantized[(kind, gemm, operand, fmt)] == expected, \
                     (kind, gemm, operand)
     assert len(counter.sites_run["linear"]) == 2 * 4
     assert counter.sites_run["output_layer"] == {"output_layer"}  # ran, never quantized here
@@ -95,11 +99,13 @@ def test_skip_layers_pv_and_output_layer():
     _, counter = train(["--quant-scheme", "FA_linear_hifp8", "--quant-skip-layers", "1",
                         "--attn-pv-quant", "mxfp4", "--quant-output-layer",
                         "--no-quant-backward", "--mx-scale-mode", "rceil"], iters=1)
-    # Layer 2 only (layer 1 kept in high precision), forward GEMMs only.
-    assert counter.quantized[("linear", "fprop", "input", "hifp8")] == 2 * 4
-    assert counter.quantized[("attn_pv", "fprop", "a", "mxfp4")] == 2
-    assert counter.quantized[("attn_qk", "fprop", "a", "hifp8")] == 2
-    assert counter.quantized[("output_layer", "fprop", "weight", "hifp8")] == 2
+    # Layer 2 only (layer 1 kept in high precision), forward GEMMs only: 2 micro-batches of
+    # training and 2 of the end-of-training validation (--eval-iters 1).
+    forwards = 2 + 2
+    assert counter.quantized[("linear", "fprop", "input", "hifp8")] == forwards * 4
+    assert counter.quantized[("attn_pv", "fprop", "a", "mxfp4")] == forwards
+    assert counter.quantized[("attn_qk", "fprop", "a", "hifp8")] == forwards
+    assert counter.quantized[("output_layer", "fprop", "weight", "hifp8")] == forwards
     assert not any(gemm != "fprop" for _, gemm, _, _ in counter.quantized)
 
 
