@@ -20,7 +20,8 @@ help:
 	@echo "make data-bpe    the wikipedia data re-tokenized with an 8k BPE trained on it"
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
-	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis, attention)"
+	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis, attention,"
+	@echo "                 telemetry, capture kills)"
 	@echo "make install     create $(VENV) and install the CPU stack"
 
 install: $(STAMP)
@@ -57,6 +58,8 @@ bench: install
 	$(PY) benchmarks/capture.py
 	$(PY) benchmarks/analysis.py
 	$(PY) benchmarks/attention.py
+	$(PY) benchmarks/telemetry.py
+	$(PY) benchmarks/capture_kill.py
 
 clean:
 	rm -rf runs reports .pytest_cache
