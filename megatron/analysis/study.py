@@ -139,12 +139,36 @@ def describe_budget(study: dict) -> str:
 
 
 def noise_note(study: dict) -> str:
+    """The study's noise in words: the baseline's spread over seeds and that of the paired
+    per-seed differences, which bounds what the study can resolve."""
     base = study["schemes"].get(study["baseline"], {})
     if base.get("std") is None or not base.get("mean"):
         return "The baseline has fewer than two finished seeds: no noise floor."
+    spreads = [mean_std(e["gap_vs_baseline_pct"]["differences"])["std"]
+               for e in study["schemes"].values() if e.get("gap_vs_baseline_pct")]
+    spreads = [v for v in spreads if v is not None]
+    paired = (f"; the per-seed differences between an arm and the baseline (same "
+              f"initialisation and data order) spread by {min(spreads):.2f}% to "
+              f"{max(spreads):.2f}% (sd), so gaps smaller than about that cannot be resolved "
+              "with these seeds") if spreads else ""
     return (f"Noise floor: the baseline's seed-to-seed spread is {base['std']:.4f} "
-            f"({100 * base['std'] / base['mean']:.2f}% of its mean loss); gaps are paired by "
-            "seed (same initialisation and data order), which removes most of it.")
+            f"({100 * base['std'] / base['mean']:.2f}% of its mean loss){paired}.")
+
+
+def relative_curves(curves: Dict[str, Dict[int, Dict[int, float]]],
+                    baseline: str) -> Dict[str, Dict[int, Dict[int, float]]]:
+    """{arm: {seed: {iteration: 100 (L_arm - L_base) / L_base}}} for the seeds and iterations
+    the baseline has too: the paired gap as training goes on."""
+    base = curves.get(baseline, {})
+    out = {}
+    for arm, by_seed in curves.items():
+        if arm == baseline:
+            continue
+        out[arm] = {seed: {it: 100.0 * (v - base[seed][it]) / base[seed][it]
+                           for it, v in series.items() if it in base.get(seed, {})}
+                    for seed, series in by_seed.items() if seed in base}
+        out[arm] = {seed: series for seed, series in out[arm].items() if series}
+    return out
 
 
 def html_section(study: dict, figure: Optional[str]) -> str:
@@ -172,18 +196,21 @@ def plot_curves(panels: Dict[str, Dict[str, Dict[int, Dict[int, float]]]], out_p
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.5), squeeze=False)
+    names = list(dict.fromkeys(name for curves in panels.values() for name in curves))
     for ax, (panel, curves) in zip(axes[0], panels.items()):
-        for i, (scheme, by_seed) in enumerate(curves.items()):
+        for scheme, by_seed in curves.items():
             common = sorted(set.intersection(*(set(c) for c in by_seed.values()))) \
                 if by_seed else []
             if not common:
                 continue
             values = [[by_seed[s][it] for s in by_seed] for it in common]
-            color = f"C{i % 10}"
+            color = f"C{names.index(scheme) % 10}"      # one color per scheme in every panel
             ax.plot(common, [sum(v) / len(v) for v in values], color=color, linewidth=1.5,
                     label=f"{scheme} ({len(by_seed)} seeds)")
             ax.fill_between(common, [min(v) for v in values], [max(v) for v in values],
                             color=color, alpha=0.18, linewidth=0)
+        if "%" in panel:
+            ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xlabel("iteration", fontsize=10)
         ax.set_ylabel(panel, fontsize=10)
         ax.set_title(f"{panel}: mean over seeds, band = min..max", fontsize=11)

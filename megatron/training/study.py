@@ -333,9 +333,11 @@ def write_results(runs: List[Run], baseline: str, budget: dict, out: Path) -> di
         val.setdefault(r["scheme"], {})[r["seed"]] = {int(k): v for k, v in r["val_loss"].items()}
         train.setdefault(r["scheme"], {})[r["seed"]] = _bin_mean(
             {int(k): v for k, v in r["train_loss"].items()})
-    figure = study_stats.plot_curves({"training loss (window mean)": train,
-                                      "validation loss": val}, str(out / "study.png"),
-                                     title=study_stats.describe_budget(study))
+    figure = study_stats.plot_curves(
+        {"training loss (window mean)": train, "validation loss": val,
+         f"validation loss vs {baseline}, same seed (%)":
+             study_stats.relative_curves(val, baseline)},
+        str(out / "study.png"), title=study_stats.describe_budget(study))
     tmp = out / ".study.json.tmp"
     tmp.write_text(json.dumps(study, indent=2) + "\n")
     os.replace(tmp, out / "study.json")
