@@ -72,3 +72,24 @@ def test_memory_estimate_against_the_allocator(monkeypatch):
     pretrain(pretrain_gpt.forward_step, argv)
     peak = torch.cuda.max_memory_allocated()
     assert 0.5 * peak <= estimate.total_bytes <= 1.5 * peak, (estimate.total_bytes, peak)
+
+
+@pytest.mark.parametrize("fmt,scaled", [(f, False) for f in FORMATS] + [("hifp8", True)])
+def test_telemetry_statistics_on_cuda_equal_cpu(fmt, scaled):
+    """operand_statistics (no host sync; bincount, frexp, norms on the device) gives the
+    CPU's sufficient statistics on CUDA."""
+    from megatron.quantization.formats import hifp8_scale_exponent, hifp8_scaled_fake_quantize
+    from megatron.tensor_capture.stats import operand_statistics
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 96, generator=g) * torch.logspace(-8, 6, 96)).bfloat16()
+    k = hifp8_scale_exponent(x) if scaled else None
+    results = []
+    for device in ("cpu", "cuda"):
+        xd = x.to(device)
+        q = hifp8_scaled_fake_quantize(xd) if scaled else \
+            fake_quantize(xd, fmt, axis=-1, **({"saturate": True} if fmt == "hifp8" else {}))
+        sums, maxima = operand_statistics(xd, q, fmt, -1, "floor",
+                                          None if k is None else k.to(device))
+        results.append((sums.cpu(), maxima.cpu()))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=0)

@@ -450,7 +450,7 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
         sums[3] = torch.count_nonzero(q.abs() >= _scaled(info.max_normal, k, x))
         overflow = torch.count_nonzero(magnitude >= _scaled(HIFP8_OVERFLOW, k, x))
         _, exponent = torch.frexp(magnitude)
-        bins = (exponent + (k - 1 + _E_OFFSET)).clamp_(0, _E_BINS - 1).reshape(-1)
+        bins = (exponent + (k - 1 + _E_OFFSET)).clamp_(0, _E_BINS - 1).reshape(-1).long()
         hist = torch.bincount(bins, minlength=_E_BINS).to(_F64)
         # zeros have frexp exponent 0: remove them from their bin
         zero_bin = (k - 1 + _E_OFFSET).clamp(0, _E_BINS - 1).reshape(1).long()
