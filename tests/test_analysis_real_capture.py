@@ -62,3 +62,18 @@ def test_real_log_text(capsys):
         assert curve.train[it] == pytest.approx(loss, rel=1e-6)
     assert set(curve.valid) == {2}
     assert curve.valid[2] == pytest.approx(result.val_losses[2], rel=1e-6)
+
+
+def test_load_frame_has_one_row_per_record_of_a_real_capture(tiny_run):
+    from megatron.analysis import load_frame, load_tensors
+    from megatron.tensor_capture.load import read_manifest
+
+    capture, _, _ = tiny_run
+    entries = read_manifest(os.path.join(capture, "FA_linear_mxfp8"))
+    frame = load_frame(capture)
+    assert len(frame) == len(entries) > 50
+    assert set(frame["scheme"]) == {"FA_linear_mxfp8"} and set(frame["iteration"]) == {1}
+    quantized = frame[frame["format"] != "none"]
+    loaded = load_tensors(quantized.iloc[:1])[0]
+    hp, q = loaded["hp"], loaded["quantized"]
+    assert hp.shape == q.shape and not (hp == q).all()

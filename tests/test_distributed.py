@@ -70,3 +70,30 @@ def test_dp2_bf16_distributed_optimizer_resume(tmp_path):
     resumed, out = torchrun(2, args + ["--load", ckpt])
     assert "loaded checkpoint" in out
     assert [resumed[i] for i in (4, 5, 6)] == [straight[i] for i in (4, 5, 6)]
+
+
+def _quant_scalars(directory):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    ea.Reload()
+    return {(tag, e.step): e.value for tag in ea.Tags()["scalars"] if tag.startswith("quant/")
+            for e in ea.Scalars(tag)}
+
+
+@pytest.mark.parametrize("extra", [[], ["--pipeline-model-parallel-size", "2"]],
+                         ids=["dp2", "pp2"])
+def test_telemetry_reduced_over_ranks_equals_one_process(tmp_path, extra):
+    """--quant-stats-interval over two ranks (DP: each rank half the micro-batches; PP: each
+    stage its own sites, agreed by gathering the keys) equals the single process's values at
+    iteration 1, where both compute the very same micro-batches."""
+    args = TINY_MOCK_ARGS + ["--train-iters", "1", "--vocab-size", "1000", "--quant-scheme",
+                             "FA_linear_mxfp8", "--quant-stats-interval", "1"]
+    pretrain(pretrain_gpt.forward_step, args + ["--tensorboard-dir", str(tmp_path / "one")])
+    torchrun(2, args + extra + ["--tensorboard-dir", str(tmp_path / "two")])
+    one, two = _quant_scalars(tmp_path / "one"), _quant_scalars(tmp_path / "two")
+    sites = {tag.split("/")[1] for tag, _ in one}
+    assert {"L1.linear_qkv", "L2.linear_fc2", "L1.core_attention.qk", "L0.output_layer"} <= sites
+    assert one.keys() == two.keys()
+    for key, value in one.items():
+        assert two[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
