@@ -81,19 +81,51 @@ def _quant_scalars(directory):
             for e in ea.Scalars(tag)}
 
 
+TELEMETRY_ARGS = TINY_MOCK_ARGS + ["--vocab-size", "1000", "--quant-scheme", "FA_linear_mxfp8"]
+
+
+@pytest.fixture(scope="module")
+def one_iteration_checkpoint(tmp_path_factory):
+    """Weights after one single-process iteration. Megatron seeds each pipeline stage
+    differently (seed + 100 x stage), so a PP run matches one process only from a checkpoint."""
+    ckpt = str(tmp_path_factory.mktemp("telemetry") / "ckpt")
+    pretrain(pretrain_gpt.forward_step, TELEMETRY_ARGS + ["--train-iters", "1", "--save", ckpt])
+    return ckpt
+
+
 @pytest.mark.parametrize("extra", [[], ["--pipeline-model-parallel-size", "2"]],
                          ids=["dp2", "pp2"])
-def test_telemetry_reduced_over_ranks_equals_one_process(tmp_path, extra):
+def test_telemetry_reduced_over_ranks_equals_one_process(tmp_path, one_iteration_checkpoint,
+                                                         extra):
     """--quant-stats-interval over two ranks (DP: each rank half the micro-batches; PP: each
     stage its own sites, agreed by gathering the keys) equals the single process's values at
-    iteration 1, where both compute the very same micro-batches."""
-    args = TINY_MOCK_ARGS + ["--train-iters", "1", "--vocab-size", "1000", "--quant-scheme",
-                             "FA_linear_mxfp8", "--quant-stats-interval", "1"]
+    iteration 2, where both start from the same weights and compute the same micro-batches."""
+    args = TELEMETRY_ARGS + ["--train-iters", "2", "--load", one_iteration_checkpoint,
+                             "--no-load-optim", "--no-load-rng", "--quant-stats-interval", "1"]
     pretrain(pretrain_gpt.forward_step, args + ["--tensorboard-dir", str(tmp_path / "one")])
     torchrun(2, args + extra + ["--tensorboard-dir", str(tmp_path / "two")])
     one, two = _quant_scalars(tmp_path / "one"), _quant_scalars(tmp_path / "two")
     sites = {tag.split("/")[1] for tag, _ in one}
     assert {"L1.linear_qkv", "L2.linear_fc2", "L1.core_attention.qk", "L0.output_layer"} <= sites
+    assert {step for _, step in one} == {2}
     assert one.keys() == two.keys()
     for key, value in one.items():
         assert two[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def test_load_into_another_layout_needs_no_load_rng(one_iteration_checkpoint):
+    """The RNG states of a one-process checkpoint cannot be given to two pipeline stages: one
+    line says so and names the flag, before any training."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), os.path.join(REPO_ROOT, "pretrain_gpt.py"),
+           *TELEMETRY_ARGS, "--train-iters", "2", "--load", one_iteration_checkpoint,
+           "--pipeline-model-parallel-size", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "checkpoint saved with PP/TP/DP 1/1/1, this run has PP/TP/DP 2/1/1" in out
+    assert "add --no-load-rng" in out
+    # torchrun reports the failed rank with its own traceback; the ranks print none
+    assert not re.search(r'File ".*(megatron/|pretrain_gpt.py)', out)
+    assert "iteration        1/" not in out

@@ -89,11 +89,16 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _parallel_layout() -> List[int]:
+    """[PP, TP, DP] sizes: the ranks whose RNG states a checkpoint holds."""
+    return [parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size()]
+
+
 def _rng_sharded_object(data) -> ShardedObject:
     """One RNG state per (pp, tp, dp) rank: every rank restores exactly its own generators."""
-    pp, tp, dp = (parallel_state.get_pipeline_model_parallel_world_size(),
-                  parallel_state.get_tensor_model_parallel_world_size(),
-                  parallel_state.get_data_parallel_world_size())
+    pp, tp, dp = _parallel_layout()
     offset = (parallel_state.get_pipeline_model_parallel_rank(),
               parallel_state.get_tensor_model_parallel_rank(),
               parallel_state.get_data_parallel_rank())
@@ -109,8 +114,10 @@ def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_s
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
         "model_shape": model_shape(args),
-        "rng_state": _rng_sharded_object(None if is_loading else _rng_state()),
+        "parallel_layout": _parallel_layout(),
     }
+    if not (is_loading and args.no_load_rng):
+        state["rng_state"] = _rng_sharded_object(None if is_loading else _rng_state())
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading,
@@ -143,7 +150,17 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
 
 
 def check_model_shape(load_dir: str, ckpt_dir: str, args) -> None:
-    saved = dist_checkpointing.load_common_state_dict(ckpt_dir).get("model_shape", {})
+    """A clear error when the checkpoint's model, or (when its RNG states are to be
+    restored) its parallel layout, differs from this run's."""
+    common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    saved_layout, layout = common.get("parallel_layout"), _parallel_layout()
+    if not args.no_load_rng and saved_layout is not None and list(saved_layout) != layout:
+        sizes = "PP/TP/DP {}/{}/{}"
+        raise ConfigError(
+            f"--load {load_dir}: checkpoint saved with {sizes.format(*saved_layout)}, this run "
+            f"has {sizes.format(*layout)}; its RNG states belong to the saved ranks: "
+            "add --no-load-rng to load the weights into this layout")
+    saved = common.get("model_shape", {})
     current = model_shape(args)
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {current[k]} (this run)"
              for k in MODEL_SHAPE_ARGS if k in saved and saved[k] != current[k]]
