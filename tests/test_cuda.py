@@ -89,7 +89,7 @@ def test_telemetry_statistics_on_cuda_equal_cpu(fmt, scaled):
         xd = x.to(device)
         q = hifp8_scaled_fake_quantize(xd) if scaled else \
             fake_quantize(xd, fmt, axis=-1, **({"saturate": True} if fmt == "hifp8" else {}))
-        sums, maxima = operand_statistics(xd, q, fmt, -1, "floor",
+        sums, maxima, _ = operand_statistics(xd, q, fmt, -1, "floor",
                                           None if k is None else k.to(device))
         results.append((sums.cpu(), maxima.cpu()))
     torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=0)

@@ -57,6 +57,7 @@ __all__ = [
     "FORMAT_NAMES", "SCALE_MODES", "MX_BLOCK_SIZE", "NAN_EXPONENT", "MIN_SHARED_EXPONENT",
     "MAX_SHARED_EXPONENT", "HIFP8_MAX", "HIFP8_OVERFLOW", "HIFP8_DEFAULT_TARGET_EXPONENT",
     "FormatInfo", "canonical_format", "format_info", "fake_quantize", "mx_shared_exponents",
+    "mx_block_scales",
     "hifp8_scaled_fake_quantize", "hifp8_scale_exponent", "fake_quantize_compiled", "set_compile", "compile_enabled",
 ]
 
@@ -429,8 +430,19 @@ def mx_shared_exponents(x: torch.Tensor, fmt: str, axis: int = -1,
     if work.shape[axis] == 0:
         return torch.empty(work.shape, dtype=torch.int32, device=x.device)
     blocks, _ = _blocks(work, axis)
-    _, up = _block_scales(_block_amax(blocks, axis + 1), info, scale_mode)
-    return _exponents_from_scales(up).squeeze(axis + 1)
+    exponents, _ = mx_block_scales(_block_amax(blocks, axis + 1), fmt, scale_mode)
+    return exponents.squeeze(axis + 1)
+
+
+def mx_block_scales(amax: torch.Tensor, fmt: str, scale_mode: str = "floor"):
+    """(unbiased int32 shared exponents e, 2**e in amax's dtype) from the blocks' max |x|
+    (float32 or bf16; NaN for a block holding NaN, Inf for one holding Inf): the rule of
+    mx_shared_exponents, for callers that already have the block maxima. 2**e is NaN and e is
+    NAN_EXPONENT for blocks holding NaN or Inf."""
+    fmt = canonical_format(fmt)
+    _check_scale_mode(scale_mode)
+    _, up = _block_scales(amax, _INFO[fmt], scale_mode)
+    return _exponents_from_scales(up), up
 
 
 # --------------------------------------------------------------------------------------------

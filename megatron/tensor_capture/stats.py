@@ -20,18 +20,19 @@ HiFP8 saturating values far above its maximum, is detected and computed in float
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+import threading
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron.quantization.formats import (
-    HIFP8_OVERFLOW, NAN_EXPONENT, format_info, mx_shared_exponents)
+    HIFP8_OVERFLOW, NAN_EXPONENT, format_info, mx_block_scales, mx_shared_exponents)
 
-MAX_EXPONENT_FIELD = 127   # the largest shared exponent of a finite MX block
 
 HIFP8_REGIONS = ("mant3", "mant2", "mant1", "denormal", "underflow", "overflow")
 _F64 = torch.float64
+_F32 = torch.float32
 
 
 def _scalars(values: List[torch.Tensor]) -> List[float]:
@@ -383,16 +384,71 @@ def _region_matrix(device) -> torch.Tensor:
 _REGION_MATRICES = {}
 
 
-def _scaled(value: float, k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """value * 2**-k as a 0-dim tensor of like's dtype (exact for HiFP8's thresholds)."""
-    return torch.ldexp(torch.tensor(value, dtype=torch.float32, device=like.device),
-                       -k).to(like.dtype)
+def _sumsq(t: torch.Tensor) -> torch.Tensor:
+    """sum(t**2) as a float64 0-dim tensor, fast and accurate for |t| <= 1 (the caller scales
+    by a power of two below 1 / amax, so no square overflows float32): fused norms, in
+    float32, of rows of 8192, whose squares add up in float64 (relative error about 1e-8)."""
+    rows, tail = _rows(t)
+    norm = torch.linalg.vector_norm
+    total = norm(rows, dim=1, dtype=torch.float32).to(_F64).square().sum()
+    return total + norm(tail).to(_F64).square() if tail.numel() else total
+
+
+# The integer view of each float dtype and the mask that clears its sign bit.
+_MAGNITUDE_BITS = {torch.float32: (torch.int32, 0x7FFFFFFF),
+                   torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+                   torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF)}
+_SCRATCH = threading.local()
+
+
+def _scratch(device: torch.device):
+    """get(name, like, dtype): a buffer shaped like `like`, reused between calls on a CPU (one
+    per name, dtype and thread, grown when too small); on an accelerator a fresh tensor, its
+    caching allocator already reuses memory."""
+    if device.type != "cpu":
+        return lambda name, like, dtype: torch.empty(like.shape, dtype=dtype, device=device)
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+
+    def get(name, like, dtype):
+        flat = buffers.get((name, dtype))
+        if flat is None or flat.numel() < like.numel():
+            flat = buffers[(name, dtype)] = torch.empty(like.numel(), dtype=dtype)
+        return flat[:like.numel()].view(like.shape)
+
+    return get
+
+
+def _scaled_bits(value: float, k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The bits of value * 2**-k in like's dtype (exact for HiFP8's thresholds), for
+    comparing magnitudes as integers."""
+    scaled = torch.ldexp(torch.tensor(value, dtype=torch.float32, device=like.device), -k)
+    return scaled.to(like.dtype).view(_MAGNITUDE_BITS[like.dtype][0])
+
+
+def _count_above(magnitude: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor):
+    """count(magnitude > threshold) for sign-cleared float bits (threshold broadcasts): the
+    sign bit of threshold - magnitude, which cannot overflow as both are non-negative. On a
+    CPU a subtraction and a shift are several times faster than a comparison to bool."""
+    sign = magnitude.element_size() * 8 - 1
+    negative = torch.sub(threshold, magnitude, out=out).bitwise_right_shift_(sign)
+    return -negative.sum(dtype=torch.int64)
+
+
+class XSide(NamedTuple):
+    """What operand_statistics learns from x alone (0-dim device tensors): reusable when the
+    same data is another GEMM's operand (the weight in fprop and dgrad, x in fprop and wgrad,
+    dY in dgrad and wgrad)."""
+
+    amax: torch.Tensor             # in x's dtype
+    inverse: torch.Tensor          # 2**-e with amax in [2**(e-1), 2**e), in x's dtype
+    scaled_signal: torch.Tensor    # sum((x * inverse)**2), float64
+    nonzero: torch.Tensor
 
 
 def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "none",
                        axis: Optional[int] = None, scale_mode: str = "floor",
-                       hifp8_scale_exponent=None):
-    """(sums, maxima): float64 vectors laid out as SUM_FIELDS and MAX_FIELDS, on x's device,
+                       hifp8_scale_exponent=None, x_side: Optional[XSide] = None):
+    """(sums, maxima, x_side): float64 vectors laid out as SUM_FIELDS and MAX_FIELDS, on x's device,
     with no host synchronisation, so a training step can afford them and a whole logging
     iteration reduces in one transfer. They add up exactly over pieces of a tensor
     (micro-batches, chunks, ranks) and give quant_error's statistics:
@@ -407,62 +463,88 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
     common case only, in few passes; `nonfinite` is 1 when x or q holds NaN/Inf, and the
     other fields of such a piece are then meaningless (its amax is NaN or Inf). With q None
     (an operand kept in high precision) only count, nonfinite and amax are filled.
+    `x_side` (returned for quantized operands) skips the passes over x alone when the same
+    data is measured again.
     """
     x = x.detach()
-    f64 = dict(dtype=_F64)
-    norm = torch.linalg.vector_norm
-    sums = torch.zeros(len(SUM_FIELDS), device=x.device, **f64)
-    maxima = torch.full((len(MAX_FIELDS),), _NO_EXPONENT, device=x.device, **f64)
-    sums[0] = x.numel()
-    if x.numel() == 0:
-        return sums, maxima
-    amax = norm(x, ord=math.inf).to(_F64)          # NaN propagates, so does Inf
-    maxima[0] = amax
+    n = x.numel()
+    device = x.device
+    zero = torch.zeros((), dtype=_F64, device=device)
+    if n == 0:
+        return (torch.zeros(len(SUM_FIELDS), dtype=_F64, device=device),
+                torch.full((len(MAX_FIELDS),), _NO_EXPONENT, dtype=_F64, device=device), None)
     if q is None:
-        sums[6] = (~torch.isfinite(amax)).to(_F64)
-        return sums, maxima
-    q = q.detach()
+        # max(|min|, |max|): one pass in x's own dtype, no copy; NaN and Inf propagate.
+        lo, hi = torch.aminmax(x)
+        amax = torch.maximum(hi, -lo).to(_F64)
+        sums = torch.zeros(len(SUM_FIELDS), dtype=_F64, device=device)
+        sums[0], sums[6] = n, (~torch.isfinite(amax)).to(_F64)
+        return sums, torch.stack([amax, zero + _NO_EXPONENT, zero + _NO_EXPONENT]), None
+    scratch = _scratch(device)
     info = format_info(fmt)
+    q = q.detach()
+    # Everything is read from the bits of x and q in their own dtype, in reused buffers: no
+    # float32 copies (a CPU pays a page fault per 4 KiB of a fresh allocation). For
+    # non-negative floats the bit patterns order like the values, NaN above Inf.
+    int_dtype, mask = _MAGNITUDE_BITS[x.dtype]
+    magnitude = torch.bitwise_and(x.view(int_dtype), mask, out=scratch("mag", x, int_dtype))
+    if x_side is None:
+        amax = magnitude.amax().view(x.dtype)        # NaN propagates, so does Inf
+        # x * 2**-e with amax = m * 2**e, m in [0.5, 1): exact, and no square overflows.
+        _, e = torch.frexp(amax.float())
+        e = e.clamp(-126, 126)
+        down = torch.ldexp(torch.ones((), device=device), -e).to(x.dtype)
+        # computed in x's dtype (exact: a power of two), written as float32 for the norms
+        x_side = XSide(amax, down, _sumsq(torch.mul(x, down, out=scratch("f32", x, _F32))),
+                       torch.count_nonzero(magnitude))
+    amax, down, nonzero = x_side.amax, x_side.inverse, x_side.nonzero
     # q - x is exact in x's dtype (Sterbenz: q is 0 or within a factor 2 of x), except for
-    # HiFP8 saturating far above its maximum, which is done in float64.
-    diff = q.to(_F64) - x.to(_F64) if info.kind == "hifp8" else q - x
-    sums[4] = norm(x, **f64).square()
-    sums[5] = norm(diff, **f64).square()
-    sums[6] = (~torch.isfinite(sums[4] + sums[5])).to(_F64)
-    nonzero = torch.count_nonzero(x)
-    sums[1] = nonzero
-    sums[2] = nonzero - torch.count_nonzero(q)       # x == 0 gives q == 0
+    # HiFP8 saturating far above its maximum, where its rounding does not matter to the sums.
+    error = _sumsq(torch.sub(q, x, out=scratch("f32", x, _F32)).mul_(down))
+    scale_sq = torch.reciprocal(down.to(_F64)).square()
+    signal_error = torch.stack([x_side.scaled_signal, error]) * scale_sq
+    q_magnitude = torch.bitwise_and(q.view(int_dtype), mask, out=scratch("qmag", x, int_dtype))
+    counts = [nonzero, nonzero - torch.count_nonzero(q_magnitude)]   # x == 0 gives q == 0
+    exp_min = exp_max = zero + _NO_EXPONENT
+    regions = torch.zeros(len(HIFP8_REGIONS), dtype=_F64, device=device)
     if info.kind == "mx":
         dim = axis % x.dim()
-        exps = mx_shared_exponents(x, fmt, axis=dim, scale_mode=scale_mode)
-        work = x if x.dtype in (torch.float32, _F64) else x.float()
-        limit = torch.ldexp(torch.full(exps.shape, info.max_normal, dtype=work.dtype,
-                                       device=x.device), exps.clamp(max=MAX_EXPONENT_FIELD))
-        blocks = _block_view(work.abs(), dim, info.block_size)
-        sums[3] = torch.count_nonzero(blocks > limit.unsqueeze(dim + 1))
-        maxima[1] = (-exps.amin()).to(_F64)
-        maxima[2] = exps.amax().to(_F64)
+        blocks = _block_view(magnitude, dim, info.block_size)
+        exps, up = mx_block_scales(blocks.amax(dim + 1, keepdim=True).view(x.dtype), fmt,
+                                   scale_mode)
+        # max_normal * 2**e is exact (or Inf) in x's dtype; NaN blocks' limits are meaningless
+        limit = torch.bitwise_and(up.mul_(info.max_normal).view(int_dtype), mask)
+        counts.append(_count_above(blocks, limit, scratch("count", blocks, int_dtype)))
+        exp_min, exp_max = (-exps.amin()).to(_F64), exps.amax().to(_F64)
     elif info.kind == "hifp8":
         k = torch.as_tensor(0 if hifp8_scale_exponent is None else hifp8_scale_exponent,
-                            device=x.device).to(torch.int32)
-        magnitude = x.abs()
+                            device=device).to(torch.int32)
         # Thresholds on the caller's side of the scale: value * 2**-k, exact in x's dtype.
-        sums[3] = torch.count_nonzero(q.abs() >= _scaled(info.max_normal, k, x))
-        overflow = torch.count_nonzero(magnitude >= _scaled(HIFP8_OVERFLOW, k, x))
-        _, exponent = torch.frexp(magnitude)
-        bins = (exponent + (k - 1 + _E_OFFSET)).clamp_(0, _E_BINS - 1).reshape(-1).long()
-        hist = torch.bincount(bins, minlength=_E_BINS).to(_F64)
+        # a >= t is a > t - 1 on the bits (both thresholds are positive normals)
+        counts.append(_count_above(q_magnitude, _scaled_bits(info.max_normal, k, x) - 1,
+                                   scratch("count", x, int_dtype)))
+        overflow = _count_above(magnitude, _scaled_bits(HIFP8_OVERFLOW, k, x) - 1,
+                                scratch("count", x, int_dtype))
+        exponent = scratch("exponent", x, torch.int32)
+        torch.frexp(x, out=(scratch("mantissa", x, x.dtype), exponent))
+        bins = exponent.add_(k - 1 + _E_OFFSET).clamp_(0, _E_BINS - 1)
+        hist = torch.bincount(bins.reshape(-1), minlength=_E_BINS).to(_F64)
         # zeros have frexp exponent 0: remove them from their bin
         zero_bin = (k - 1 + _E_OFFSET).clamp(0, _E_BINS - 1).reshape(1).long()
-        hist.index_add_(0, zero_bin, (nonzero - x.numel()).to(_F64).reshape(1))
-        matrix = _REGION_MATRICES.get(x.device)
+        hist.index_add_(0, zero_bin, (nonzero - n).to(_F64).reshape(1))
+        matrix = _REGION_MATRICES.get(device)
         if matrix is None:
-            matrix = _REGION_MATRICES[x.device] = _region_matrix(x.device)
+            matrix = _REGION_MATRICES[device] = _region_matrix(device)
         regions = hist @ matrix
         mant1, over = HIFP8_REGIONS.index("mant1"), HIFP8_REGIONS.index("overflow")
         regions[mant1] -= overflow - regions[over]   # e = 15 at or above 40960 overflows
         regions[over] = overflow.to(_F64)
-        sums[7:] = regions
     elif info.kind == "float":
-        sums[3] = torch.count_nonzero(x.abs() > info.max_normal)
-    return sums, maxima
+        limit = torch.tensor(info.max_normal, device=device).to(x.dtype).view(int_dtype)
+        counts.append(_count_above(magnitude, limit, scratch("count", x, int_dtype)))
+    else:
+        counts.append(torch.zeros((), dtype=torch.int64, device=device))
+    counts.insert(0, torch.tensor(n, device=device))
+    nonfinite = (~torch.isfinite(signal_error.sum())).to(_F64).reshape(1)
+    sums = torch.cat([torch.stack(counts).to(_F64), signal_error, nonfinite, regions])
+    return sums, torch.stack([amax.to(_F64), exp_min, exp_max]), x_side

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.quantization.formats import format_info, hifp8_scale_exponent
+from megatron.tensor_capture.records import SameDataCache
 from megatron.tensor_capture.stats import (
     HIFP8_REGIONS, MAX_FIELDS, SUM_FIELDS, operand_statistics)
 
@@ -58,6 +59,8 @@ class QuantTelemetry:
         # (site label, operand key) -> [sums, maxima, format]
         self._acc: Dict[Tuple[str, str], list] = {}
         self._keys: Optional[List[Tuple[str, str, str]]] = None   # agreed by all ranks
+        # x-side statistics of data measured earlier in this iteration (weakly keyed).
+        self._same_data = SameDataCache(size=4096)
 
     # -- observers protocol --------------------------------------------------------------
 
@@ -76,8 +79,11 @@ class QuantTelemetry:
             if q is not None and config.tensor_scaled(fmt):
                 # a chunk of a tensor-scaled operand comes with the whole operand's scale
                 k = scale_exponent if scale_exponent is not None else hifp8_scale_exponent(hp)
-            sums, maxima = operand_statistics(hp, q, fmt if q is not None else "none", axis,
-                                              config.scale_mode, k)
+            known = self._same_data.get(hp) if q is not None else None
+            sums, maxima, x_side = operand_statistics(
+                hp, q, fmt if q is not None else "none", axis, config.scale_mode, k, known)
+            if q is not None and known is None:
+                self._same_data.put(hp, x_side)
             self._add((label, f"{gemm}.{roles.get(operand, operand)}"), sums, maxima,
                       fmt if q is not None else "none")
 
@@ -100,6 +106,7 @@ class QuantTelemetry:
     def reduce(self, group=None) -> Dict[Tuple[str, str], Dict[str, float]]:
         """{(site, operand): {metric: value}} over all ranks; ends the measured iteration."""
         self.active = False
+        self._same_data = SameDataCache(size=4096)
         keys = self._agree_on_keys(group)
         device = next((e[0].device for e in self._acc.values()), _default_device())
         sums = torch.zeros(len(keys), len(SUM_FIELDS), dtype=torch.float64, device=device)
