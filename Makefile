@@ -21,7 +21,7 @@ help:
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
 	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis, attention,"
-	@echo "                 telemetry, capture kills)"
+	@echo "                 telemetry, tokens/s, capture kills)"
 	@echo "make install     create $(VENV) and install the CPU stack"
 
 install: $(STAMP)
@@ -59,6 +59,7 @@ bench: install
 	$(PY) benchmarks/analysis.py
 	$(PY) benchmarks/attention.py
 	$(PY) benchmarks/telemetry.py
+	$(PY) benchmarks/tokens_per_second.py
 	$(PY) benchmarks/capture_kill.py
 
 clean:

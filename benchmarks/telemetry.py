@@ -46,11 +46,14 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="Untimed first iterations.")
     parser.add_argument("--repeats", type=int, default=2, help="Runs of each setting.")
     parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=8192,
+                        help="8192: the BPE of the CPU study path (the output layer is cheap, "
+                             "the worst case for the overhead); 128256: the Llama 3 vocabulary.")
     args = parser.parse_args(argv)
 
     total = args.warmup + args.iters
     base = ["--model-preset", "llama-tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "8192", "--seq-length", str(args.seq_length), "--bf16",
+            "--vocab-size", str(args.vocab_size), "--seq-length", str(args.seq_length), "--bf16",
             "--micro-batch-size", "4", "--global-batch-size", "4", "--lr", "1e-3",
             "--train-iters", str(total), "--log-interval", "1000", "--eval-iters", "0",
             "--num-workers", "0", "--quant-scheme", args.scheme]
@@ -67,7 +70,8 @@ def main(argv=None):
                 measured += [t for it, t in timed.items() if it % args.interval == 0]
                 plain += [t for it, t in timed.items() if it % args.interval]
     off, on = statistics.mean(means["off"]), statistics.mean(means["on"])
-    print(f"\nllama-tiny, {args.scheme}, bf16, {args.seq_length} x 4 tokens per step, torch "
+    print(f"\nllama-tiny, {args.scheme}, bf16, vocabulary {args.vocab_size}, "
+          f"{args.seq_length} x 4 tokens per step, torch "
           f"threads {os.environ.get('OMP_NUM_THREADS', 'default')}, {args.repeats} runs of "
           f"{args.iters} timed iterations per setting")
     print(f"mean step, telemetry off            : {1000 * off:8.1f} ms "
