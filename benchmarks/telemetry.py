@@ -17,25 +17,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import pretrain_gpt  # noqa: E402
-from megatron.training.training import TrainingCallback, pretrain  # noqa: E402
-
-
-class StepTimer(TrainingCallback):
-    def __init__(self):
-        self.times = {}
-        self._start = None
-
-    def on_iteration_start(self, iteration):
-        self._start = time.perf_counter()
-
-    def on_iteration_end(self, iteration):
-        self.times[iteration] = time.perf_counter() - self._start
+from megatron.training.training import pretrain  # noqa: E402
+from step_timer import StepTimer  # noqa: E402
 
 
 def main(argv=None):

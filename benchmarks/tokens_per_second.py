@@ -14,28 +14,16 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import pretrain_gpt  # noqa: E402
 from megatron.training import corpora  # noqa: E402
-from megatron.training.training import TrainingCallback, pretrain  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
+from step_timer import StepTimer  # noqa: E402
 
 TARGET = 3000.0
-
-
-class StepTimer(TrainingCallback):
-    def __init__(self):
-        self.times = []
-        self._start = None
-
-    def on_iteration_start(self, iteration):
-        self._start = time.perf_counter()
-
-    def on_iteration_end(self, iteration):
-        self.times.append(time.perf_counter() - self._start)
 
 
 def main(argv=None):
@@ -69,7 +57,7 @@ def main(argv=None):
             timer = StepTimer()
             pretrain(pretrain_gpt.forward_step, base + flags + ["--quant-scheme", scheme],
                      callbacks=[timer])
-            results[(scheme, name)] = tokens / statistics.median(timer.times[args.warmup:])
+            results[(scheme, name)] = tokens / statistics.median(timer.after(args.warmup))
     print(f"\nllama-tiny, bf16, {tokens} tokens per step (seq {args.seq_length}), torch threads "
           f"{os.environ.get('OMP_NUM_THREADS', 'default')}")
     print(f"{'scheme':<18}{'vocabulary':<20}{'tokens/s':>10}")

@@ -13,26 +13,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import pretrain_gpt  # noqa: E402
 from megatron.quantization.schemes import SCHEMES  # noqa: E402
-from megatron.training.training import TrainingCallback, pretrain  # noqa: E402
-
-
-class StepTimer(TrainingCallback):
-    def __init__(self):
-        self.times = []
-        self._start = None
-
-    def on_iteration_start(self, iteration):
-        self._start = time.perf_counter()
-
-    def on_iteration_end(self, iteration):
-        self.times.append(time.perf_counter() - self._start)
+from megatron.training.training import pretrain  # noqa: E402
+from step_timer import StepTimer  # noqa: E402
 
 
 def main(argv=None):
@@ -55,7 +43,7 @@ def main(argv=None):
     for scheme in schemes:
         timer = StepTimer()
         pretrain(pretrain_gpt.forward_step, base + ["--quant-scheme", scheme], callbacks=[timer])
-        results[scheme] = statistics.median(timer.times[args.warmup:])
+        results[scheme] = statistics.median(timer.after(args.warmup))
     ref = results["bf16"]
     print(f"\nllama-tiny, {args.seq_length} x 4 tokens per step, "
           f"{'bf16' if args.bf16 else 'fp32'} training, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}")
