@@ -55,8 +55,13 @@ def main(argv=None):
             timed = {it: t for it, t in timer.times.items() if it > args.warmup}
             means[setting].append(statistics.mean(timed.values()))
             if setting == "on":
-                measured += [t for it, t in timed.items() if it % args.interval == 0]
-                plain += [t for it, t in timed.items() if it % args.interval]
+                run_measured = [t for it, t in timed.items() if it % args.interval == 0]
+                run_plain = [t for it, t in timed.items() if it % args.interval]
+                measured += run_measured
+                plain += run_plain
+                print(f"telemetry run: unmeasured steps {1000 * statistics.mean(run_plain):.1f} "
+                      f"ms, measured steps "
+                      f"{1000 * statistics.mean(run_measured or [float('nan')]):.1f} ms")
     off, on = statistics.mean(means["off"]), statistics.mean(means["on"])
     print(f"\nllama-tiny, {args.scheme}, bf16, vocabulary {args.vocab_size}, "
           f"{args.seq_length} x 4 tokens per step, torch "

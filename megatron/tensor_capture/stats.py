@@ -384,14 +384,16 @@ def _region_matrix(device) -> torch.Tensor:
 _REGION_MATRICES = {}
 
 
-def _sumsq(t: torch.Tensor) -> torch.Tensor:
-    """sum(t**2) as a float64 0-dim tensor, fast and accurate for |t| <= 1 (the caller scales
-    by a power of two below 1 / amax, so no square overflows float32): fused norms, in
-    float32, of rows of 8192, whose squares add up in float64 (relative error about 1e-8)."""
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """sqrt(sum(t**2)) as a float64 0-dim tensor, fast and accurate for a float32 (or
+    float64) t with |t| <= 1 (the caller scales by a power of two below 1 / amax, so no
+    square overflows): fused norms, in t's dtype, of rows of 8192, and the norm of those in
+    float64 (relative error about 1e-8 in float32)."""
     rows, tail = _rows(t)
     norm = torch.linalg.vector_norm
-    total = norm(rows, dim=1, dtype=torch.float32).to(_F64).square().sum()
-    return total + norm(tail).to(_F64).square() if tail.numel() else total
+    if not tail.numel():
+        return norm(norm(rows, dim=1), dtype=_F64)
+    return norm(torch.cat([norm(rows, dim=1), norm(tail).reshape(1)]), dtype=_F64)
 
 
 # The integer view of each float dtype and the mask that clears its sign bit.
@@ -403,35 +405,56 @@ _SCRATCH = threading.local()
 
 def _scratch(device: torch.device):
     """get(name, like, dtype): a buffer shaped like `like`, reused between calls on a CPU (one
-    per name, dtype and thread, grown when too small); on an accelerator a fresh tensor, its
-    caching allocator already reuses memory."""
+    per name, dtype and thread, grown when too small; its views cached by shape); on an
+    accelerator a fresh tensor, its caching allocator already reuses memory."""
     if device.type != "cpu":
         return lambda name, like, dtype: torch.empty(like.shape, dtype=dtype, device=device)
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
 
     def get(name, like, dtype):
-        flat = buffers.get((name, dtype))
+        key = (name, dtype)
+        flat, views = buffers.get(key, (None, None))
         if flat is None or flat.numel() < like.numel():
-            flat = buffers[(name, dtype)] = torch.empty(like.numel(), dtype=dtype)
-        return flat[:like.numel()].view(like.shape)
+            flat, views = torch.empty(like.numel(), dtype=dtype), {}
+            buffers[key] = (flat, views)
+        view = views.get(like.shape)
+        if view is None:
+            view = views[like.shape] = flat[:like.numel()].view(like.shape)
+        return view
 
     return get
 
 
 def _scaled_bits(value: float, k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The bits of value * 2**-k in like's dtype (exact for HiFP8's thresholds), for
-    comparing magnitudes as integers."""
-    scaled = torch.ldexp(torch.tensor(value, dtype=torch.float32, device=like.device), -k)
-    return scaled.to(like.dtype).view(_MAGNITUDE_BITS[like.dtype][0])
+    """The bits of value * 2**-k in like's dtype (float32 or float64; exact for HiFP8's
+    thresholds), for comparing magnitudes as integers."""
+    scaled = torch.ldexp(torch.tensor(value, dtype=like.dtype, device=like.device), -k)
+    return scaled.view(_MAGNITUDE_BITS[like.dtype][0])
 
 
 def _count_above(magnitude: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor):
     """count(magnitude > threshold) for sign-cleared float bits (threshold broadcasts): the
     sign bit of threshold - magnitude, which cannot overflow as both are non-negative. On a
-    CPU a subtraction and a shift are several times faster than a comparison to bool."""
+    CPU a subtraction and a shift are several times faster than a comparison to bool, and
+    count_nonzero reads them in place (a sum would first copy them to int64)."""
     sign = magnitude.element_size() * 8 - 1
-    negative = torch.sub(threshold, magnitude, out=out).bitwise_right_shift_(sign)
-    return -negative.sum(dtype=torch.int64)
+    return torch.count_nonzero(
+        torch.sub(threshold, magnitude, out=out).bitwise_right_shift_(sign))
+
+
+_CONSTANTS = {}
+
+
+def _constant(value, device, size=(), dtype=_F64) -> torch.Tensor:
+    """A cached tensor full of value; callers never write to it."""
+    key = (value, device, size, dtype)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) > 4096:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.full(size if isinstance(size, tuple) else (size,), value,
+                                         dtype=dtype, device=device)
+    return t
 
 
 class XSide(NamedTuple):
@@ -439,12 +462,14 @@ class XSide(NamedTuple):
     same data is another GEMM's operand (the weight in fprop and dgrad, x in fprop and wgrad,
     dY in dgrad and wgrad)."""
 
-    amax: torch.Tensor             # in x's dtype
-    inverse: torch.Tensor          # 2**-e with amax in [2**(e-1), 2**e), in x's dtype
-    scaled_signal: torch.Tensor    # sum((x * inverse)**2), float64
+    amax: torch.Tensor             # float32 (float64 for a float64 x), like the two below
+    inverse: torch.Tensor          # 2**-e with amax in [2**(e-1), 2**e)
+    scale: torch.Tensor            # 2**e, float64
+    scaled_norm: torch.Tensor      # sqrt(sum((x * inverse)**2)), float64
     nonzero: torch.Tensor
 
 
+@torch.no_grad()
 def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "none",
                        axis: Optional[int] = None, scale_mode: str = "floor",
                        hifp8_scale_exponent=None, x_side: Optional[XSide] = None):
@@ -466,10 +491,9 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
     `x_side` (returned for quantized operands) skips the passes over x alone when the same
     data is measured again.
     """
-    x = x.detach()
     n = x.numel()
     device = x.device
-    zero = torch.zeros((), dtype=_F64, device=device)
+    no_exponent = _constant(_NO_EXPONENT, device)
     if n == 0:
         return (torch.zeros(len(SUM_FIELDS), dtype=_F64, device=device),
                 torch.full((len(MAX_FIELDS),), _NO_EXPONENT, dtype=_F64, device=device), None)
@@ -479,54 +503,51 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
         amax = torch.maximum(hi, -lo).to(_F64)
         sums = torch.zeros(len(SUM_FIELDS), dtype=_F64, device=device)
         sums[0], sums[6] = n, (~torch.isfinite(amax)).to(_F64)
-        return sums, torch.stack([amax, zero + _NO_EXPONENT, zero + _NO_EXPONENT]), None
+        return sums, torch.stack([amax, no_exponent, no_exponent]), None
     scratch = _scratch(device)
     info = format_info(fmt)
-    q = q.detach()
-    # Everything is read from the bits of x and q in their own dtype, in reused buffers: no
-    # float32 copies (a CPU pays a page fault per 4 KiB of a fresh allocation). For
-    # non-negative floats the bit patterns order like the values, NaN above Inf.
-    int_dtype, mask = _MAGNITUDE_BITS[x.dtype]
-    magnitude = torch.bitwise_and(x.view(int_dtype), mask, out=scratch("mag", x, int_dtype))
-    if x_side is None:
-        amax = magnitude.amax().view(x.dtype)        # NaN propagates, so does Inf
-        # x * 2**-e with amax = m * 2**e, m in [0.5, 1): exact, and no square overflows.
-        _, e = torch.frexp(amax.float())
-        e = e.clamp(-126, 126)
-        down = torch.ldexp(torch.ones((), device=device), -e).to(x.dtype)
-        # computed in x's dtype (exact: a power of two), written as float32 for the norms
-        x_side = XSide(amax, down, _sumsq(torch.mul(x, down, out=scratch("f32", x, _F32))),
-                       torch.count_nonzero(magnitude))
-    amax, down, nonzero = x_side.amax, x_side.inverse, x_side.nonzero
-    # q - x is exact in x's dtype (Sterbenz: q is 0 or within a factor 2 of x), except for
-    # HiFP8 saturating far above its maximum, where its rounding does not matter to the sums.
-    error = _sumsq(torch.sub(q, x, out=scratch("f32", x, _F32)).mul_(down))
-    scale_sq = torch.reciprocal(down.to(_F64)).square()
-    signal_error = torch.stack([x_side.scaled_signal, error]) * scale_sq
-    q_magnitude = torch.bitwise_and(q.view(int_dtype), mask, out=scratch("qmag", x, int_dtype))
-    counts = [nonzero, nonzero - torch.count_nonzero(q_magnitude)]   # x == 0 gives q == 0
-    exp_min = exp_max = zero + _NO_EXPONENT
-    regions = torch.zeros(len(HIFP8_REGIONS), dtype=_F64, device=device)
+    # |x| and |q| as float32 (float64 for a float64 x): exact copies, in buffers reused
+    # between calls on a CPU (a fresh one costs a page fault per 4 KiB). q is 0 or has x's
+    # sign, so (q - x)**2 = (|q| - |x|)**2. For non-negative floats the bit patterns order
+    # like the values (NaN above Inf), so counts and thresholds work on the bits.
+    work = _F64 if x.dtype == _F64 else _F32
+    int_work, _ = _MAGNITUDE_BITS[work]
+    x_abs = scratch("x_work", x, work).copy_(x).abs_()
+    q_abs = scratch("q_work", x, work).copy_(q).abs_()
+    x_bits, q_bits = x_abs.view(int_work), q_abs.view(int_work)
+    known = x_side is not None
+    if known:
+        amax, down, nonzero = x_side.amax, x_side.inverse, x_side.nonzero
+    else:
+        amax = x_abs.amax()                          # NaN propagates, so does Inf
+        # 2**-e with amax = m * 2**e, m in [0.5, 1): scaled values stay exact and no square
+        # overflows.
+        _, e = torch.frexp(amax)
+        down = torch.ldexp(torch.ones((), dtype=work, device=device), -e.clamp(-126, 126))
+        nonzero = torch.count_nonzero(x_bits)
+    counts = [nonzero, nonzero - torch.count_nonzero(q_bits)]        # x == 0 gives q == 0
+    exp_min = exp_max = no_exponent
+    regions = _constant(0.0, device, len(HIFP8_REGIONS))      # read only
     if info.kind == "mx":
         dim = axis % x.dim()
-        blocks = _block_view(magnitude, dim, info.block_size)
-        exps, up = mx_block_scales(blocks.amax(dim + 1, keepdim=True).view(x.dtype), fmt,
-                                   scale_mode)
-        # max_normal * 2**e is exact (or Inf) in x's dtype; NaN blocks' limits are meaningless
-        limit = torch.bitwise_and(up.mul_(info.max_normal).view(int_dtype), mask)
-        counts.append(_count_above(blocks, limit, scratch("count", blocks, int_dtype)))
-        exp_min, exp_max = (-exps.amin()).to(_F64), exps.amax().to(_F64)
+        blocks = _block_view(x_abs, dim, info.block_size)
+        exps, up = mx_block_scales(blocks.amax(dim + 1, keepdim=True), fmt, scale_mode)
+        # max_normal * 2**e is exact (or Inf); NaN blocks' limits are meaningless
+        limit = up.mul_(info.max_normal).view(int_work).bitwise_and_(_MAGNITUDE_BITS[work][1])
+        bits = blocks.view(int_work)
+        counts.append(_count_above(bits, limit, scratch("count", bits, int_work)))
+        exp_min, exp_max = -exps.amin(), exps.amax()
     elif info.kind == "hifp8":
         k = torch.as_tensor(0 if hifp8_scale_exponent is None else hifp8_scale_exponent,
                             device=device).to(torch.int32)
-        # Thresholds on the caller's side of the scale: value * 2**-k, exact in x's dtype.
-        # a >= t is a > t - 1 on the bits (both thresholds are positive normals)
-        counts.append(_count_above(q_magnitude, _scaled_bits(info.max_normal, k, x) - 1,
-                                   scratch("count", x, int_dtype)))
-        overflow = _count_above(magnitude, _scaled_bits(HIFP8_OVERFLOW, k, x) - 1,
-                                scratch("count", x, int_dtype))
+        # Thresholds on the caller's side of the scale, value * 2**-k, exact; a >= t is
+        # a > t - 1 on the bits (both thresholds are positive normals).
+        counts.append(_count_above(q_bits, _scaled_bits(info.max_normal, k, x_abs) - 1,
+                                   scratch("count", x_bits, int_work)))
+        overflow = _count_above(x_bits, _scaled_bits(HIFP8_OVERFLOW, k, x_abs) - 1,
+                                scratch("count", x_bits, int_work))
         exponent = scratch("exponent", x, torch.int32)
-        torch.frexp(x, out=(scratch("mantissa", x, x.dtype), exponent))
+        torch.frexp(x_abs, out=(scratch("mantissa", x, work), exponent))
         bins = exponent.add_(k - 1 + _E_OFFSET).clamp_(0, _E_BINS - 1)
         hist = torch.bincount(bins.reshape(-1), minlength=_E_BINS).to(_F64)
         # zeros have frexp exponent 0: remove them from their bin
@@ -540,11 +561,20 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
         regions[mant1] -= overflow - regions[over]   # e = 15 at or above 40960 overflows
         regions[over] = overflow.to(_F64)
     elif info.kind == "float":
-        limit = torch.tensor(info.max_normal, device=device).to(x.dtype).view(int_dtype)
-        counts.append(_count_above(magnitude, limit, scratch("count", x, int_dtype)))
+        limit = torch.tensor(info.max_normal, dtype=work, device=device).view(int_work)
+        counts.append(_count_above(x_bits, limit, scratch("count", x_bits, int_work)))
     else:
         counts.append(torch.zeros((), dtype=torch.int64, device=device))
-    counts.insert(0, torch.tensor(n, device=device))
-    nonfinite = (~torch.isfinite(signal_error.sum())).to(_F64).reshape(1)
-    sums = torch.cat([torch.stack(counts).to(_F64), signal_error, nonfinite, regions])
-    return sums, torch.stack([amax.to(_F64), exp_min, exp_max]), x_side
+    # |q| - |x| is exact (Sterbenz: q is 0 or within a factor 2 of x), except for HiFP8
+    # saturating far above its maximum, where its rounding does not matter to the sums.
+    # Last, as it overwrites the buffers.
+    error = _norm(q_abs.sub_(x_abs).mul_(down))
+    if not known:
+        x_side = XSide(amax, down, torch.reciprocal(down.to(_F64)), _norm(x_abs.mul_(down)),
+                       nonzero)
+    signal_error = torch.stack([x_side.scaled_norm, error]).mul_(x_side.scale).square_()
+    counts.insert(0, _constant(n, device, dtype=torch.int64))
+    nonfinite = signal_error.sum(0, keepdim=True).isfinite().logical_not_()
+    # cat and stack promote their inputs: float64 results in few operations
+    sums = torch.cat([torch.stack(counts), signal_error, nonfinite, regions])
+    return sums, torch.stack([amax, exp_min, exp_max]).to(_F64), x_side
