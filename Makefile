@@ -16,7 +16,7 @@ STUDY_DIR ?= runs/study
 help:
 	@echo "make demo        train llama-tiny on the embedded Wikipedia data (CPU) and write a report"
 	@echo "make test        run all tests"
-	@echo "make study       the default CPU scheme study: 7 arms x 3 seeds (about 40 min) -> $(STUDY_DIR)"
+	@echo "make study       the default CPU scheme study: 7 arms x 3 seeds (about 45 min) -> $(STUDY_DIR)"
 	@echo "make data-bpe    the wikipedia data re-tokenized with an 8k BPE trained on it"
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"

@@ -33,7 +33,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=40, help="Timed iterations per run.")
     parser.add_argument("--warmup", type=int, default=3, help="Untimed first iterations.")
     parser.add_argument("--repeats", type=int, default=2, help="Runs of each setting.")
-    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=256, help="Tokens per sample.")
     parser.add_argument("--vocab-size", type=int, default=8192,
                         help="8192: the BPE of the CPU study path (the output layer is cheap, "
                              "the worst case for the overhead); 128256: the Llama 3 vocabulary.")

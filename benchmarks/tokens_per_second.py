@@ -30,11 +30,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=20, help="Timed iterations per run.")
     parser.add_argument("--warmup", type=int, default=3, help="Untimed first iterations.")
-    parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--global-batch-size", type=int, default=4)
-    parser.add_argument("--schemes", nargs="+", default=["bf16", "FA_linear_mxfp4"])
-    parser.add_argument("--data-root", default=os.path.join(REPO_ROOT, "data"))
+    parser.add_argument("--seq-length", type=int, default=256, help="Tokens per sample.")
+    parser.add_argument("--micro-batch-size", type=int, default=4,
+                        help="Samples per micro-batch.")
+    parser.add_argument("--global-batch-size", type=int, default=4,
+                        help="Samples per iteration.")
+    parser.add_argument("--schemes", nargs="+", default=["bf16", "FA_linear_mxfp4"],
+                        help="Quantization schemes to time with each vocabulary.")
+    parser.add_argument("--data-root", default=os.path.join(REPO_ROOT, "data"),
+                        help="Where the embedded corpora are (built there if missing).")
     args = parser.parse_args(argv)
 
     llama3 = corpora.ensure_embedded_dataset("wikipedia", args.data_root)

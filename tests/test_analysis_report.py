@@ -18,7 +18,8 @@ SCHEMES = ("bf16", "FA_linear_mxfp8", "linear_mxfp4")
 RUN_ARGS = {"model_preset": "llama-tiny", "lr": 0.003, "global_batch_size": 4,
             "micro_batch_size": 2, "seq_length": 8, "bf16": True, "fp16": False,
             "train_iters": 5, "mx_scale_mode": "floor", "seed": 1234,
-            "git_describe": "v0.3-2-gabc1234"}
+            "git_describe": "v0.3-2-gabc1234", "quant_wgrad": "none", "quant_fprop": None,
+            "quant_backward": True, "hifp8_scaling": "tensor"}
 TRAINING_LOG = """\
 ------------------------ arguments ------------------------
   bf16 ................................... True
@@ -61,6 +62,7 @@ def test_provenance_header(analysed):
     assert fields["precision"]["value"] == "bf16"
     assert fields["batch"]["value"] == "global 4, micro 2"
     assert fields["lr"]["value"] == "0.003"
+    assert fields["overrides"]["value"] == "--quant-wgrad none --hifp8-scaling tensor"
     assert fields["train_iters"]["by_value"] == {
         "30": ["bf16 training"], "5": sorted(f"{s} capture" for s in SCHEMES)}
     assert prov["commit"] == "v0.3-2-gabc1234"

@@ -254,9 +254,20 @@ class TestSchedule:
         (["--tensor-save-interval", "-2"], r"^--tensor-save-interval '-2' is not a positive "
                                            r"integer interval"),
         (["--tensor-save-interval", "4"], r"^--tensor-save-interval 4 is beyond --train-iters 3"),
+        (["--control-iter", "5"], r"^--control-iter 5 is beyond --train-iters 3; valid: 0 or "
+                                  r"1\.\.3$"),
     ])
     def test_bad_iterations(self, extra, message):
         assert re.search(message, one_line_error(extra))
+
+    def test_schedule_without_save_tensors_is_a_warning(self):
+        args = validate_args(parse_args(ARGS + ["--tensor-save-iters", "2", "--control-iter",
+                                                "9"]), check_paths=False)
+        assert args.capture_config is None
+        assert args.capture_warnings == [
+            "warning: --tensor-save-iters, --control-iter given without --save-tensors (or "
+            "$TENSOR_SAVE_ENABLED=1): nothing is captured"]
+        assert capture_args(["--tensor-save-iters", "2"]).capture_warnings == []
 
     def test_global_iterations_after_a_resume(self):
         rule = CaptureRule(schedule=Schedule(frozenset({5, 1000}), 0))

@@ -11,6 +11,7 @@ anywhere.
 import json
 import os
 import pickle
+import random
 import shutil
 from datetime import datetime
 
@@ -145,6 +146,21 @@ def test_damaged_checkpoint_stops_with_one_line(checkpoint, capsys, what, expect
         verify_checkpoint(ckpt)
     code, out, err = load(root, capsys)
     assert code == 2 and expected in one_error_line(err) and MODEL_BUILT not in out
+
+
+def test_shard_damaged_in_place_stops_with_one_line(checkpoint, capsys):
+    """Random bytes over a shard, its size kept: the file checks pass, the load fails, and
+    that is one line without torch's advice to unpickle with weights_only=False."""
+    root, ckpt = checkpoint
+    path = os.path.join(ckpt, "__0_0.distcp")
+    size = os.path.getsize(path)
+    with open(path, "wb") as f:
+        f.write(random.Random(0).randbytes(size))
+    verify_checkpoint(ckpt)
+    code, out, err = load(root, capsys)
+    line = one_error_line(err)
+    assert code == 2 and "iter_0000002 could not be read" in line and "damaged" in line
+    assert "weights_only" not in out + err and "Traceback" not in out + err
 
 
 def test_a_storage_record_cannot_point_outside(checkpoint):

@@ -185,9 +185,23 @@ def test_wandb_is_optional_and_receives_the_scalars(tmp_path, monkeypatch, capsy
     assert "lm loss" in logged and "quant/L1.linear_fc1/fprop.input/sqnr_db" in logged
 
 
-def test_bad_interval_is_one_line():
+def test_bad_interval_is_one_line(capsys):
     from megatron.training.arguments import ConfigError, parse_args, validate_args
+    from megatron.training.quant_stats import stats_interval_warnings
     with pytest.raises(ConfigError, match=r"--quant-stats-interval -1: must be >= 0"):
         validate_args(parse_args(TINY_MOCK_ARGS + ["--train-iters", "1",
                                                    "--quant-stats-interval", "-1"]),
                       check_paths=False)
+    # not an integer: argparse's own error, as one line instead of the whole usage
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(TINY_MOCK_ARGS + ["--quant-stats-interval", "1.5"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "error: argument --quant-stats-interval: invalid int value: '1.5' " \
+                  "(see --help)\n"
+    beyond = validate_args(parse_args(TINY_MOCK_ARGS + ["--train-iters", "2",
+                                                        "--quant-stats-interval", "10"]),
+                           check_paths=False)
+    assert stats_interval_warnings(beyond) == [
+        "warning: --quant-stats-interval 10 is beyond --train-iters 2: no iteration is "
+        "measured (valid: 1..2)"]

@@ -46,6 +46,31 @@ def _batch(args) -> Optional[str]:
     return None if gbs is None and mbs is None else f"global {gbs}, micro {mbs}"
 
 
+# Flags that change which GEMMs are quantized, or how, beyond the scheme: (key, default).
+_OVERRIDES = (("quant_fprop", None), ("quant_dgrad", None), ("quant_wgrad", None),
+              ("quant_backward", "True"), ("hifp8_scaling", "none"),
+              ("quant_skip_layers", None), ("linear_quant", None), ("attn_qk_quant", None),
+              ("attn_pv_quant", None), ("quant_output_layer", "False"))
+
+
+def _overrides(args) -> Optional[str]:
+    """The non-default override flags as typed ('none' when the run recorded them all at
+    their defaults; None for runs that predate them)."""
+    if not any(key in args for key, _ in _OVERRIDES):
+        return None
+    parts = []
+    for key, default in _OVERRIDES:
+        value = _text(args.get(key))
+        if value is None or value == default:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value in ("True", "False"):
+            parts.append(flag if value == "True" else flag.replace("--", "--no-", 1))
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts) or "none"
+
+
 def _plain(key: str) -> Callable[[dict], Optional[str]]:
     return lambda args: _text(args.get(key))
 
@@ -54,6 +79,7 @@ FIELDS: Tuple[Tuple[str, str, Callable[[dict], Optional[str]]], ...] = (
     ("model", "model", _model),
     ("scale_mode", "MX scale mode", _plain("mx_scale_mode")),
     ("mx_grad_format", "MXFP8 gradient format", _plain("mx_grad_format")),
+    ("overrides", "scheme overrides", _overrides),
     ("lr", "learning rate", _plain("lr")),
     ("batch", "batch size", _batch),
     ("seq_length", "sequence length", _plain("seq_length")),

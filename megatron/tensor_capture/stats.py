@@ -433,13 +433,15 @@ def _scaled_bits(value: float, k: torch.Tensor, like: torch.Tensor) -> torch.Ten
 
 
 def _count_above(magnitude: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor):
-    """count(magnitude > threshold) for sign-cleared float bits (threshold broadcasts): the
-    sign bit of threshold - magnitude, which cannot overflow as both are non-negative. On a
-    CPU a subtraction and a shift are several times faster than a comparison to bool, and
-    count_nonzero reads them in place (a sum would first copy them to int64)."""
+    """count(magnitude > threshold) for sign-cleared float32/float64 bits (threshold
+    broadcasts): minus the sum of the sign bits of threshold - magnitude (-1 where above),
+    which cannot overflow as both are non-negative. On a CPU a subtraction, a shift and a sum
+    in the bits' own integer type are several times faster than a comparison to bool."""
     sign = magnitude.element_size() * 8 - 1
-    return torch.count_nonzero(
-        torch.sub(threshold, magnitude, out=out).bitwise_right_shift_(sign))
+    negative = torch.sub(threshold, magnitude, out=out).bitwise_right_shift_(sign)
+    if negative.numel() >= 2 ** 31:         # the count might not fit the int32 sum
+        return torch.count_nonzero(negative)
+    return negative.sum(dtype=negative.dtype).neg_()
 
 
 _CONSTANTS = {}

@@ -373,8 +373,16 @@ ARGUMENT_GROUPS: List[Callable[[argparse.ArgumentParser], argparse.ArgumentParse
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line: the stock parser prints its whole usage first,
+    over a hundred lines for this many flags, burying the message."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser = _Parser(description="Megatron-LM Arguments", allow_abbrev=False)
     for add_group in ARGUMENT_GROUPS:
         parser = add_group(parser)
     if extra_args_provider is not None:

@@ -17,7 +17,7 @@ import argparse
 import os
 import re
 from dataclasses import replace
-from typing import FrozenSet, Optional
+from typing import FrozenSet, List, Optional
 
 from megatron.tensor_capture.capture_file import read_capture_file
 from megatron.tensor_capture.config import MODES, CaptureConfig, rules_mode
@@ -120,9 +120,14 @@ def validate_tensor_args(args) -> None:
         args.tensor_save_dir = os.environ.get(ENV_DIR) or DEFAULT_DIR
     if not str(args.tensor_save_dir).strip():
         raise ConfigError("--tensor-save-dir is empty; give a directory path")
+    args.capture_warnings = _unused_capture_flags(args)
     if args.control_iter is not None and args.control_iter < 0:
         raise ConfigError(f"--control-iter {args.control_iter} is invalid; valid: 0 (capture "
                           "every iteration, no early stop) or a positive number of iterations")
+    if args.save_tensors and args.control_iter and args.train_iters is not None and \
+            args.control_iter > args.train_iters:
+        raise ConfigError(f"--control-iter {args.control_iter} is beyond --train-iters "
+                          f"{args.train_iters}; valid: 0 or 1..{args.train_iters}")
     if args.collect_micro_batches is not None and args.collect_micro_batches < 1:
         raise ConfigError(f"--collect-micro-batches {args.collect_micro_batches} is invalid; "
                           "valid: a positive number of micro-batches")
@@ -238,3 +243,18 @@ def run_args(args) -> dict:
         out[name] = value if isinstance(value, (bool, int, float, str, type(None))) else \
             (list(value) if isinstance(value, (list, tuple)) else str(value))
     return out
+
+
+def _unused_capture_flags(args) -> List[str]:
+    """Warning lines for schedule flags given while --save-tensors is off (they do nothing)."""
+    if args.save_tensors:
+        return []
+    given = [flag for flag, value in (("--tensor-save-iters", args.tensor_save_iters),
+                                      ("--tensor-save-interval", args.tensor_save_interval),
+                                      ("--tensor-save-config", args.tensor_save_config),
+                                      ("--control-iter", args.control_iter))
+             if value is not None]
+    if not given:
+        return []
+    return [f"warning: {', '.join(given)} given without --save-tensors "
+            f"(or ${ENV_ENABLED}=1): nothing is captured"]

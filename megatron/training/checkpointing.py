@@ -14,6 +14,7 @@ shape stops before training with the differing flags named.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -21,7 +22,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron.training.checkpoint_files import verify_checkpoint
@@ -103,6 +106,21 @@ def _rng_sharded_object(data) -> ShardedObject:
               parallel_state.get_tensor_model_parallel_rank(),
               parallel_state.get_data_parallel_rank())
     return ShardedObject("rng_state", data, (pp, tp, dp), offset, replica_id=0)
+
+
+_READ_ERRORS = (CheckpointException, CheckpointingException, pickle.UnpicklingError,
+                RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError, TypeError,
+                AttributeError)
+
+
+def _read_error(exc: BaseException) -> str:
+    """What went wrong in a checkpoint read, in a few words and without torch's advice."""
+    if isinstance(exc, CheckpointException):       # failures: {rank: (exception, trace)}
+        causes = sorted({_read_error(pair[0]) for pair in exc.failures.values()})
+        return "; ".join(causes) or "CheckpointException"
+    if isinstance(exc, pickle.UnpicklingError) or not str(exc).strip():
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
 
 
 def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples,
@@ -271,7 +289,14 @@ def load_checkpoint(root: str, found: Optional[Tuple[int, str]], model, optimize
                     init()
     state = _sharded_state_dict(model, optimizer if use_optim else None, scheduler, args,
                                 iteration, 0, is_loading=True)
-    loaded = dist_checkpointing.load(state, ckpt)
+    try:
+        loaded = dist_checkpointing.load(state, ckpt)
+    except _READ_ERRORS as exc:
+        # Shard bytes damaged in place (sizes intact, so the file checks passed), or another
+        # program's files. Never torch's text for unpickling errors: it advises
+        # weights_only=False, which would run whatever a planted file asks for.
+        raise ConfigError(f"--load {root}: {ckpt} could not be read ({_read_error(exc)}); "
+                          "a shard is damaged or was not written by this program") from None
     model.load_state_dict(loaded["model"])
     if use_optim:
         with torch.no_grad():

@@ -10,7 +10,7 @@ per-(site, operand) metrics, written as `quant/<site>/<gemm>.<operand>/<metric>`
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron.quantization.observers import register_observer, unregister_observer
 from megatron.tensor_capture.callback import collect_sites
@@ -18,6 +18,15 @@ from megatron.tensor_capture.telemetry import QuantTelemetry, site_label
 
 Results = Dict[Tuple[str, str], Dict[str, float]]
 _LIVE: "weakref.WeakSet[QuantTelemetry]" = weakref.WeakSet()
+
+
+def stats_interval_warnings(args) -> List[str]:
+    """A line when --quant-stats-interval is on but no iteration of this run is measured."""
+    interval, last = args.quant_stats_interval, args.train_iters
+    if interval and last is not None and interval > last:
+        return [f"warning: --quant-stats-interval {interval} is beyond --train-iters {last}: "
+                f"no iteration is measured (valid: 1..{last})"]
+    return []
 
 
 def scalar_tags(results: Results) -> Dict[str, float]:

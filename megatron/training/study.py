@@ -145,11 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Command that starts each training, e.g. 'torchrun --standalone "
                         "--nproc-per-node 8' on a GPU node (default: this Python, one "
                         "process; with a launcher --jobs defaults to 1).")
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--global-batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3, help="Peak learning rate.")
-    p.add_argument("--min-lr", type=float, default=2e-4)
+    p.add_argument("--seq-length", type=int, default=256,
+                   help="Tokens per sample (default: %(default)s).")
+    p.add_argument("--micro-batch-size", type=int, default=4,
+                   help="Samples per micro-batch (default: %(default)s).")
+    p.add_argument("--global-batch-size", type=int, default=4,
+                   help="Samples per iteration (default: %(default)s).")
+    p.add_argument("--lr", type=float, default=2e-3,
+                   help="Peak learning rate (default: %(default)s).")
+    p.add_argument("--min-lr", type=float, default=2e-4,
+                   help="Learning rate at the end of the cosine decay (default: %(default)s).")
     p.add_argument("--warmup-fraction", type=float, default=0.1,
                    help="Linear warm-up over this fraction of the iterations, then cosine "
                         "decay to --min-lr.")

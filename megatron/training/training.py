@@ -37,7 +37,7 @@ from megatron.training.capture_arguments import run_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.data_files import check_dataset_files
 from megatron.training.precision import describe_precision
-from megatron.training.quant_stats import QuantStatsCallback
+from megatron.training.quant_stats import QuantStatsCallback, stats_interval_warnings
 from megatron.training.wandb_writer import open_wandb, wandb_problem
 from megatron.training.initialize import (
     destroy_distributed,
@@ -426,6 +426,8 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     print_rank_0(describe_precision(args))
     if wandb_problem(args):
         print_rank_0(wandb_problem(args))
+    for line in getattr(args, "capture_warnings", []) + stats_interval_warnings(args):
+        print_rank_0(line)
     print_rank_0(f"[{_timestamp()}] tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} "
                  f"(padded to {args.padded_vocab_size})")
 
