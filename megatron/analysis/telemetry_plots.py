@@ -56,12 +56,16 @@ def over_iterations(frame, outdir: str, colors: Dict[str, tuple]) -> Optional[di
             ax.legend(fontsize=7, ncol=2)
     amax = sites[sites["metric"] == "amax"]
     ax = axes[-1]
+    tops = []
     for scheme, mine in amax.groupby("scheme", sort=True):
         top = mine.groupby("step")["value"].max()
+        tops.extend(v for v in top.values if v > 0)
         ax.plot(top.index, top.values, color=colors.get(scheme), lw=1.4, marker=".",
                 label=scheme)
     if ax.lines:
-        ax.set_yscale("log")
+        # log only over more than a decade: within one, a log axis may show no labelled tick
+        if tops and max(tops) > 10 * min(tops):
+            ax.set_yscale("log")
         ax.legend(fontsize=7, ncol=3)
     ax.set_ylabel("largest amax")
     ax.grid(alpha=0.3, lw=0.5)
