@@ -99,6 +99,33 @@ def test_hifp8_operand_statistics(dtype, scaled):
         assert got[f"hifp8_{region}_pct"] == pytest.approx(100 * share, abs=1e-9), region
 
 
+def test_hifp8_regions_of_subnormal_values_under_a_large_scale():
+    """A tensor of tiny values with float32 subnormals among them: the per-tensor scale
+    (k = 3 - floor(log2 amax) > 100) lifts the subnormals into HiF8's range, so their exact
+    exponents matter (frexp, not the bits' exponent field)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 64, generator=g) * 1e-36
+    x[0, :40] = torch.linspace(1e-40, 1e-38, 40)     # float32 subnormals (< 2**-126)
+    x[1, :5] = 0.0
+    assert int(torch.count_nonzero((x.abs() < 2.0 ** -126) & (x != 0))) >= 40
+    k = hifp8_scale_exponent(x)
+    assert int(k) > 100
+    q = hifp8_scaled_fake_quantize(x, scale_exponent=k)
+    got, _ = _telemetry(x, q, "hifp8", None, k=k)
+    reference = quant_error(x, q, "hifp8", hifp8_scale_exponent=int(k))
+    for region, share in reference["hifp8_regions"].items():
+        assert got[f"hifp8_{region}_pct"] == pytest.approx(100 * share, abs=1e-9), region
+    # and without subnormals the fast path gives the same as frexp would
+    normal = x.clone()
+    normal[(normal.abs() < 2.0 ** -126) & (normal != 0)] = 1e-36
+    assert int(torch.count_nonzero(normal == 0)) == 5
+    q = hifp8_scaled_fake_quantize(normal, scale_exponent=k)
+    got, _ = _telemetry(normal, q, "hifp8", None, k=k)
+    reference = quant_error(normal, q, "hifp8", hifp8_scale_exponent=int(k))
+    for region, share in reference["hifp8_regions"].items():
+        assert got[f"hifp8_{region}_pct"] == pytest.approx(100 * share, abs=1e-9), region
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4", "hifp8"])
 def test_pieces_add_up_and_reusing_x_changes_nothing(fmt):
     x = _operand(torch.bfloat16, shape=(64, 96))

@@ -444,6 +444,23 @@ def _count_above(magnitude: torch.Tensor, threshold: torch.Tensor, out: torch.Te
     return negative.sum(dtype=negative.dtype).neg_()
 
 
+def _exponents(x_abs: torch.Tensor, x_bits: torch.Tensor, nonzero: torch.Tensor, scratch):
+    """(frexp's exponent of every |x| as int32, the exponent its zeros get). A CPU reads it
+    from the float32 bits, the exponent field minus 126, when no value is subnormal (checked
+    at no cost there: no device to wait for); elsewhere, or with subnormals, torch.frexp,
+    which is several times slower on a CPU."""
+    exponent = scratch("exponent", x_abs, torch.int32)
+    if x_abs.dtype == _F32 and x_abs.device.type == "cpu":
+        largest_subnormal = _constant(0x7FFFFF, x_abs.device, dtype=torch.int32)
+        normal_or_more = _count_above(x_bits, largest_subnormal, scratch("count", x_bits,
+                                                                         torch.int32))
+        if int(nonzero - normal_or_more) == 0:
+            torch.bitwise_right_shift(x_bits, 23, out=exponent).sub_(126)
+            return exponent, -126          # a zero's field is 0
+    torch.frexp(x_abs, out=(scratch("mantissa", x_abs, x_abs.dtype), exponent))
+    return exponent, 0
+
+
 _CONSTANTS = {}
 
 
@@ -548,12 +565,11 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
                                    scratch("count", x_bits, int_work)))
         overflow = _count_above(x_bits, _scaled_bits(HIFP8_OVERFLOW, k, x_abs) - 1,
                                 scratch("count", x_bits, int_work))
-        exponent = scratch("exponent", x, torch.int32)
-        torch.frexp(x_abs, out=(scratch("mantissa", x, work), exponent))
+        exponent, zero_exponent = _exponents(x_abs, x_bits, nonzero, scratch)
         bins = exponent.add_(k - 1 + _E_OFFSET).clamp_(0, _E_BINS - 1)
         hist = torch.bincount(bins.reshape(-1), minlength=_E_BINS).to(_F64)
-        # zeros have frexp exponent 0: remove them from their bin
-        zero_bin = (k - 1 + _E_OFFSET).clamp(0, _E_BINS - 1).reshape(1).long()
+        # remove the zeros from the bin their exponent put them in
+        zero_bin = (k - 1 + _E_OFFSET + zero_exponent).clamp(0, _E_BINS - 1).reshape(1).long()
         hist.index_add_(0, zero_bin, (nonzero - n).to(_F64).reshape(1))
         matrix = _REGION_MATRICES.get(device)
         if matrix is None:
