@@ -396,9 +396,8 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
     return norm(torch.cat([norm(rows, dim=1), norm(tail).reshape(1)]), dtype=_F64)
 
 
-# The integer view of each float dtype and the mask that clears its sign bit.
+# The integer view of each working float dtype and the mask that clears its sign bit.
 _MAGNITUDE_BITS = {torch.float32: (torch.int32, 0x7FFFFFFF),
-                   torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
                    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF)}
 _SCRATCH = threading.local()
 
@@ -530,7 +529,7 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
     # sign, so (q - x)**2 = (|q| - |x|)**2. For non-negative floats the bit patterns order
     # like the values (NaN above Inf), so counts and thresholds work on the bits.
     work = _F64 if x.dtype == _F64 else _F32
-    int_work, _ = _MAGNITUDE_BITS[work]
+    int_work, sign_clear = _MAGNITUDE_BITS[work]
     x_abs = scratch("x_work", x, work).copy_(x).abs_()
     q_abs = scratch("q_work", x, work).copy_(q).abs_()
     x_bits, q_bits = x_abs.view(int_work), q_abs.view(int_work)
@@ -552,7 +551,7 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
         blocks = _block_view(x_abs, dim, info.block_size)
         exps, up = mx_block_scales(blocks.amax(dim + 1, keepdim=True), fmt, scale_mode)
         # max_normal * 2**e is exact (or Inf); NaN blocks' limits are meaningless
-        limit = up.mul_(info.max_normal).view(int_work).bitwise_and_(_MAGNITUDE_BITS[work][1])
+        limit = up.mul_(info.max_normal).view(int_work).bitwise_and_(sign_clear)
         bits = blocks.view(int_work)
         counts.append(_count_above(bits, limit, scratch("count", bits, int_work)))
         exp_min, exp_max = -exps.amin(), exps.amax()

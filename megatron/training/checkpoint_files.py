@@ -113,9 +113,14 @@ def _check_common_state(path: str) -> None:
                           "such object; checkpoints from untrusted sources cannot be "
                           "loaded") from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else \
-            type(exc).__name__
-        raise ConfigError(f"{path}: unreadable ({reason}); the checkpoint is damaged") from None
+        raise ConfigError(f"{path}: unreadable ({first_line(exc) or type(exc).__name__}); the "
+                          "checkpoint is damaged") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of exc's message, at most 200 characters ('' when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
 
 
 def _check_json(path: str) -> None:

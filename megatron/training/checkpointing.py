@@ -27,7 +27,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron.training.checkpoint_files import verify_checkpoint
+from megatron.training.checkpoint_files import first_line, verify_checkpoint
 from megatron.training.errors import ConfigError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -118,9 +118,8 @@ def _read_error(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException):       # failures: {rank: (exception, trace)}
         causes = sorted({_read_error(pair[0]) for pair in exc.failures.values()})
         return "; ".join(causes) or "CheckpointException"
-    if isinstance(exc, pickle.UnpicklingError) or not str(exc).strip():
-        return type(exc).__name__
-    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+    detail = "" if isinstance(exc, pickle.UnpicklingError) else first_line(exc)
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
 def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples,

@@ -424,10 +424,9 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     print_rank_0(f"{args.quant_config.describe(args.num_layers)}\n"
                  f"(scheme from {args.quant_scheme_source})")
     print_rank_0(describe_precision(args))
-    if wandb_problem(args):
-        print_rank_0(wandb_problem(args))
-    for line in getattr(args, "capture_warnings", []) + stats_interval_warnings(args):
-        print_rank_0(line)
+    for line in [wandb_problem(args), *args.capture_warnings, *stats_interval_warnings(args)]:
+        if line:
+            print_rank_0(line)
     print_rank_0(f"[{_timestamp()}] tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} "
                  f"(padded to {args.padded_vocab_size})")
 
