@@ -549,7 +549,8 @@ def test_hifp8_scaled_fake_quantize():
 # ---------------------------------------------------------------------------------------------
 
 def test_format_names_and_info():
-    assert set(FORMAT_NAMES) == {"mxfp8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "hifp8",
+    assert set(FORMAT_NAMES) == {"mxfp8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "mxfp6_e2m3",
+                                 "mxfp6_e3m2", "nvfp4", "fp8_e4m3", "fp8_e5m2", "hifp8",
                                  "bf16", "fp16", "none"}
     assert canonical_format("mxfp8") == "mxfp8_e4m3"
     assert all(canonical_format(canonical_format(n)) == canonical_format(n) for n in FORMAT_NAMES)
@@ -623,7 +624,7 @@ def test_native_fp8_casts_equal_generic_grid_rounding(dtype, monkeypatch):
             monkeypatch.setitem(formats_module._NATIVE_FP8_CASTS, dtype, True)
             a = fake_quantize(x, fmt, scale_mode=mode)
             with monkeypatch.context() as m:    # as if the fp8 cast did not saturate
-                m.setattr(formats_module, "_SATURATING_CPU_CASTS", set())
+                m.setattr(formats_module.elements, "_SATURATING_CPU_CASTS", set())
                 b = fake_quantize(x, fmt, scale_mode=mode)
             monkeypatch.setitem(formats_module._NATIVE_FP8_CASTS, dtype, False)
             c = fake_quantize(x, fmt, scale_mode=mode)

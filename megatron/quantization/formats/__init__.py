@@ -1,0 +1,234 @@
+"""Fake quantization (quantize + dequantize) to MXFP8, MXFP6, MXFP4, NVFP4, FP8 (per-tensor and
+blockwise scaled), HiFP8, BF16 and FP16, with round-to-nearest or stochastic rounding, and the
+random Hadamard transform.
+
+One module per family: `mx` (MXFP8/MXFP6/MXFP4), `nvfp4`, `fp8` (per-tensor current or delayed
+scaling, 1x128 / 128x128 blocks), `hifp8`, `elements` (rounding to element grids, nearest and
+stochastic), `hadamard`; `common` holds the format descriptions and argument checks. This
+module is the single entry point, `fake_quantize`.
+
+`fake_quantize(x, fmt, axis, scale_mode, saturate)` returns a tensor of the same shape and
+dtype as `x` whose values are exactly the values the format can hold, chosen by the format's
+rounding rule. The result is defined as: upcast the input exactly to float32 (float64 stays
+float64), round once to the format, dequantize exactly, cast back to the input dtype at the
+end; so there is no double rounding (pitfall P6 of the number-formats design note). Faster
+routes that give bit for bit the same result are taken where they exist (bf16 MX computed
+in bf16, a 65536-entry table for 16-bit HiFP8 inputs, torch's fp8 casts for E4M3/E5M2).
+
+MX (OCP Microscaling v1.0)
+    Blocks of 32 consecutive elements along `axis` share one power-of-two scale 2**e (an E8M0
+    value, e in [-127, 127]). Each element is divided by the scale, rounded to the element
+    format (E4M3, E5M2 or E2M1) to nearest with ties to even, keeping the element format's
+    subnormals, and finite overflow saturates to +-max_normal (448, 57344, 6; P7, P8, P9).
+    The shared exponent comes from the block maximum amax, exactly (from its exponent bits,
+    never a float32 log2, which misfloors just below powers of two: P2):
+
+        "floor" (OCP):  e = floor(log2 amax) - emax_elem       (emax_elem = 8, 15, 2)
+        "rceil" (NVIDIA recipe): e = ceil(log2(amax / max_normal))
+
+    and clamped to [-127, 127]. An all-zero block gets e = -127 and stays zero (P1). A block
+    holding any NaN or +-Inf becomes all NaN, and its exponent is reported as NAN_EXPONENT
+    (P3, P4). The scale 2**-127 is a float32 subnormal; it is kept exactly, never flushed or
+    clamped to 2**-126 (P5). A length that is not a multiple of 32 is zero-padded for the scale
+    computation and cropped (P14): the short tail acts as its own block. Any axis can be the
+    block axis (P15: MX does not commute with transposition, so quantize each GEMM operand
+    along that GEMM's reduction axis).
+
+HiFP8 (HiFloat8)
+    Every value is rounded to the HiF8 grid: 3 mantissa bits for exponents |E| <= 3, 2 bits
+    for 4..7, 1 bit for 8..15, and the denormals 2**-22 .. 2**-16 (powers of two only), to
+    nearest with ties AWAY from zero (P18). |x| < 2**-23 becomes 0 and 2**-23 itself rounds up
+    to 2**-22 (P17). -0 becomes +0 (HiF8 has a single zero, P16). The plain cast
+    (saturate=None or False) sends |x| >= 40960 (the midpoint between the largest finite value
+    32768 and the Inf code's slot 49152) to +-Inf and keeps NaN; saturate=True clamps finite
+    overflow and +-Inf to +-32768 instead. `hifp8_scaled_fake_quantize` adds an optional
+    per-tensor power-of-two scale.
+
+The code is pure, vectorised PyTorch and device agnostic. `set_compile(True)` (or calling
+`fake_quantize_compiled`) runs the same implementation through torch.compile; the eager
+default and the compiled variant give identical results.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.quantization.formats.common import (  # noqa: F401 (public and package names)
+    _INFO, _PASS_THROUGH_DTYPES, FORMAT_NAMES, HIFP8_DEFAULT_TARGET_EXPONENT, HIFP8_MAX,
+    HIFP8_OVERFLOW, MAX_SHARED_EXPONENT, MIN_SHARED_EXPONENT, MX_BLOCK_SIZE, NAN_EXPONENT,
+    NVFP4_BLOCK_SIZE, SCALE_MODES, FormatInfo, _check_saturate, _check_scale_mode,
+    _check_tensor, _normalize_axis, canonical_format, format_info)
+from megatron.quantization.formats.elements import (  # noqa: F401 (patched by tests)
+    _NATIVE_FP8_CASTS, _round_to_grid_)
+from megatron.quantization.formats.fp8 import (
+    FP8_SCALINGS, _check_fp8_options, _fp8_fake_quantize)
+from megatron.quantization.formats.hadamard import random_hadamard_transform
+from megatron.quantization.formats.hifp8 import (
+    _hifp8_fake_quantize, hifp8_scale_exponent, hifp8_scaled_fake_quantize)
+from megatron.quantization.formats.mx import (
+    _mx_fake_quantize, mx_block_scales, mx_shared_exponents)
+from megatron.quantization.formats.nvfp4 import _nvfp4_fake_quantize
+from megatron.quantization.formats.rounding import ROUNDINGS, _check_rounding, uniform_noise
+
+__all__ = [
+    "FORMAT_NAMES", "SCALE_MODES", "ROUNDINGS", "FP8_SCALINGS", "MX_BLOCK_SIZE",
+    "NVFP4_BLOCK_SIZE", "NAN_EXPONENT", "MIN_SHARED_EXPONENT", "MAX_SHARED_EXPONENT",
+    "HIFP8_MAX", "HIFP8_OVERFLOW", "HIFP8_DEFAULT_TARGET_EXPONENT", "FormatInfo",
+    "canonical_format", "format_info", "fake_quantize", "mx_shared_exponents",
+    "mx_block_scales", "random_hadamard_transform", "hifp8_scaled_fake_quantize",
+    "hifp8_scale_exponent", "fake_quantize_compiled", "set_compile", "compile_enabled",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+
+def _fake_quantize_impl(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
+                        saturate: bool, options: tuple,
+                        noise: Optional[torch.Tensor], amax) -> torch.Tensor:
+    """Validated arguments in; the format dispatch (shared by eager and compiled paths).
+
+    options: (block_2d, scaling, margin, pow2_scale, block) -- hashable, so that compiled
+    graphs specialise on them. noise: uniform [0, 1) numbers of x's shape for stochastic
+    rounding (None: round to nearest). amax: an imposed per-tensor amax (NVFP4, FP8 tensor
+    scaling) or None."""
+    block_2d, scaling, margin, pow2_scale, block = options
+    kind = _INFO[fmt].kind
+    if kind == "mx":
+        return _mx_fake_quantize(x, fmt, axis, scale_mode, noise)
+    if kind == "nvfp4":
+        return _nvfp4_fake_quantize(x, axis, block_2d, noise, amax)
+    if kind == "fp8":
+        return _fp8_fake_quantize(x, fmt, axis, scaling, amax, margin, pow2_scale, block, noise)
+    if kind == "hifp8":
+        return _hifp8_fake_quantize(x, saturate)
+    return _pass_through(x, fmt)
+
+
+def _pass_through(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Round to bf16 / fp16 (RNE, IEEE overflow to Inf) and back to x.dtype."""
+    if x.dtype != torch.float64:
+        return x.to(_PASS_THROUGH_DTYPES[fmt]).to(x.dtype)   # via float: exact upcast, one rounding
+    # torch casts float64 -> bf16/fp16 through float32 (a double rounding, P6): round directly.
+    info = _INFO[fmt]
+    q = _round_to_grid_(x.clone(), info.emin_elem, info.mantissa_bits)
+    return torch.where(q.abs() > info.max_normal, q * math.inf, q)
+
+
+_COMPILE = False
+
+
+def set_compile(enabled: bool = True) -> None:
+    """Route fake_quantize through torch.compile (off by default; results are identical)."""
+    global _COMPILE
+    _COMPILE = bool(enabled)
+
+
+def compile_enabled() -> bool:
+    return _COMPILE
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_impl():
+    return torch.compile(_fake_quantize_impl, dynamic=True)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "floor",
+                  saturate: Optional[bool] = None, *, block_2d: bool = False,
+                  rounding: str = "nearest", generator: Optional[torch.Generator] = None,
+                  scaling: Optional[str] = None, amax=None, margin: float = 0,
+                  pow2_scale: bool = False,
+                  block: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """Quantize `x` to `fmt` and dequantize it back: same shape and dtype, exact values.
+
+    fmt: "mxfp8" (= "mxfp8_e4m3"), "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4" (E2M1),
+    "nvfp4", "fp8_e4m3", "fp8_e5m2", "hifp8", "bf16", "fp16" (round to that dtype and back) or
+    "none" (returns x itself).
+    axis: the block axis (the GEMM's reduction axis): 32 consecutive elements share an E8M0
+    scale (MX), 16 an E4M3 scale (NVFP4), 128 a float32 scale (FP8 block=(1, 128)); ignored
+    by element-wise and per-tensor scaled formats.
+    scale_mode: "floor" (OCP) or "rceil" (NVIDIA), MX only.
+    saturate: HiFP8 only. None/False is the plain cast (|x| >= 40960 -> +-Inf); True clamps
+    overflow and +-Inf to +-32768. Other formats accept only None.
+    block_2d: NVFP4 only: one E4M3 scale per 16x16 tile of a 2-D x (weights), so that the
+    copies quantized along either axis are the same numbers.
+    rounding: "nearest" (ties to even) or "stochastic" (the element rounds to one of its two
+    grid neighbours with probabilities that make it unbiased; scales as with "nearest"), for
+    MX, NVFP4 and FP8. Stochastic rounding draws from `generator` (required), so the same
+    generator state gives the same bits.
+    scaling (FP8 only): "tensor" (default: one scale from the tensor's amax, or from `amax`
+    when given -- delayed scaling) or "block" (one scale per `block` tile: (1, 128) along
+    `axis` or (128, 128) for a 2-D x). margin and pow2_scale: the FP8 scale is
+    (fp8_max * 2**-margin) / amax, truncated to a power of two when pow2_scale.
+    amax (NVFP4 and FP8 "tensor"): the per-tensor amax to derive the tensor scale from, a
+    float or 0-d tensor, instead of x's own (delayed scaling, or one piece of a larger
+    operand).
+    The result carries no autograd history (wrap it in a straight-through function, or use
+    gemm.quantized_linear / quantized_matmul, to train through it).
+    """
+    return _fake_quantize(x, fmt, axis, scale_mode, saturate, block_2d, rounding, generator,
+                          scaling, amax, margin, pow2_scale, block, _COMPILE)
+
+
+def fake_quantize_compiled(x: torch.Tensor, fmt: str, axis: int = -1,
+                           scale_mode: str = "floor", saturate: Optional[bool] = None,
+                           **options) -> torch.Tensor:
+    """fake_quantize through torch.compile(dynamic=True); identical results, fused kernels."""
+    merged = dict(block_2d=False, rounding="nearest", generator=None, scaling=None, amax=None,
+                  margin=0, pow2_scale=False, block=None)
+    unknown = set(options) - set(merged)
+    if unknown:
+        raise TypeError(f"fake_quantize_compiled got unexpected options {sorted(unknown)}")
+    merged.update(options)
+    return _fake_quantize(x, fmt, axis, scale_mode, saturate, *merged.values(), True)
+
+
+def _check_options(fmt: str, kind: str, x: torch.Tensor, block_2d, rounding, generator):
+    if block_2d and kind != "nvfp4":
+        raise ValueError(f"block_2d applies to nvfp4 only (16x16 tiles), got {fmt!r}")
+    if block_2d and x.dim() != 2:
+        raise ValueError(f"block_2d needs a 2-D tensor (a weight), got shape {tuple(x.shape)}")
+    _check_rounding(rounding, generator)
+    if rounding == "stochastic" and kind not in ("mx", "nvfp4", "fp8"):
+        raise ValueError(f"stochastic rounding applies to the MX, NVFP4 and FP8 formats, "
+                         f"not {fmt!r}")
+
+
+def _fake_quantize(x, fmt, axis, scale_mode, saturate, block_2d, rounding, generator,
+                   scaling, amax, margin, pow2_scale, block, compiled):
+    _check_tensor(x)
+    fmt = canonical_format(fmt)
+    _check_scale_mode(scale_mode)
+    saturate = _check_saturate(fmt, saturate)
+    info = _INFO[fmt]
+    _check_options(fmt, info.kind, x, block_2d, rounding, generator)
+    if info.kind == "fp8":
+        scaling, margin, pow2_scale, block = _check_fp8_options(
+            x, scaling, margin, pow2_scale, block)
+    elif scaling is not None or block is not None or margin != 0 or pow2_scale:
+        raise ValueError(f"scaling, block, margin and pow2_scale apply to the fp8 formats, "
+                         f"not {fmt!r}")
+    if amax is not None and not (info.kind == "nvfp4" or (info.kind == "fp8"
+                                                          and scaling == "tensor")):
+        raise ValueError(f"amax applies to nvfp4 and to fp8 with scaling='tensor', not "
+                         f"{fmt!r}" + (f" with scaling={scaling!r}" if scaling else ""))
+    if info.kind in ("mx", "nvfp4", "fp8"):
+        axis = _normalize_axis(axis, x.dim())
+    else:
+        axis = -1
+    if fmt == "none":
+        return x
+    if x.numel() == 0:
+        return x.clone()
+    with torch.no_grad():   # rounding has no useful gradient; the GEMMs define their own
+        noise = uniform_noise(x, generator) if rounding == "stochastic" else None
+        if amax is not None:
+            amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+        impl = _compiled_impl() if compiled else _fake_quantize_impl
+        return impl(x, fmt, axis, scale_mode, saturate,
+                    (bool(block_2d), scaling, margin, bool(pow2_scale), block), noise, amax)
