@@ -27,7 +27,7 @@ PY = sys.executable
 LAUNCHERS = os.path.join(REPO_ROOT, "examples", "llama")
 COMMON_SH = os.path.join(LAUNCHERS, launchers.COMMON_SCRIPT)
 PRETRAIN_SCRIPT = os.path.join(REPO_ROOT, "pretrain_gpt.py")
-SCHEMES = quant_schemes.SCHEMES
+SCHEMES = quant_schemes.SEED_SCHEMES   # the matrix's ten
 
 
 @pytest.fixture(autouse=True)
@@ -103,8 +103,8 @@ class TestMatrix:
 
     def test_quant_scheme_names_match_the_quantization_package(self):
         """The matrix spells the scheme names itself (no torch import); they must agree."""
-        assert ex.QUANT_SCHEMES == quant_schemes.SCHEMES
-        assert ex.ELEMENT_FORMATS == quant_schemes.ELEMENT_FORMATS
+        assert ex.QUANT_SCHEMES == quant_schemes.SEED_SCHEMES
+        assert ex.ELEMENT_FORMATS == quant_schemes.SEED_FORMATS
 
     def test_pretrain_script_is_the_callers(self, tmp_path):
         script = tmp_path / "elsewhere" / "pretrain_gpt.py"

@@ -4,7 +4,9 @@ import pytest
 
 from megatron.quantization.schemes import (
     SCHEMES,
+    SEED_SCHEMES,
     SchemeError,
+    RecipeSettings,
     build_quant_config,
     parse_layer_list,
     scheme_from_env,
@@ -15,16 +17,26 @@ from conftest import TINY_MOCK_ARGS
 
 
 def test_the_ten_schemes():
-    assert SCHEMES == ("bf16", "FA_mxfp8", "FA_mxfp4", "FA_hifp8", "linear_mxfp8",
-                       "linear_mxfp4", "linear_hifp8", "FA_linear_mxfp8", "FA_linear_mxfp4",
-                       "FA_linear_hifp8")
+    assert SEED_SCHEMES == ("bf16", "FA_mxfp8", "FA_mxfp4", "FA_hifp8", "linear_mxfp8",
+                            "linear_mxfp4", "linear_hifp8", "FA_linear_mxfp8", "FA_linear_mxfp4",
+                            "FA_linear_hifp8")
+    newer = {f"{prefix}_{fmt}" for prefix in ("FA", "linear", "FA_linear")
+             for fmt in ("nvfp4", "mxfp6_e2m3", "mxfp6_e3m2", "fp8")}
+    assert set(SCHEMES) == set(SEED_SCHEMES) | newer and SCHEMES[:4] == SEED_SCHEMES[:4]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_scheme_sites(scheme):
     cfg = build_quant_config(scheme, num_layers=4)
-    fmt = scheme.rsplit("_", 1)[-1]
-    element = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "hifp8": "hifp8", "bf16": None}[fmt]
+    fmt = scheme if scheme == "bf16" else scheme.split("_", 2 if scheme.startswith("FA_linear") else 1)[-1]
+    # FP8 schemes: E4M3 everywhere under --fp8-format e4m3; the default hybrid differs only
+    # in the gradient operands (tested in test_recipes.py).
+    if fmt == "fp8":
+        cfg = build_quant_config(scheme, num_layers=4, recipe_settings=RecipeSettings(
+            fp8_format="e4m3"))
+    element = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "hifp8": "hifp8", "bf16": None,
+               "nvfp4": "nvfp4", "mxfp6_e2m3": "mxfp6_e2m3", "mxfp6_e3m2": "mxfp6_e3m2",
+               "fp8": "fp8_e4m3"}[fmt]
     assert cfg.linear.enabled == ("linear" in scheme)
     assert cfg.attn_qk.enabled == scheme.startswith("FA")
     assert not cfg.attn_pv.enabled and not cfg.output_layer.enabled

@@ -1,4 +1,5 @@
-"""Quantized layers in the model and end-to-end training under each of the ten schemes."""
+"""Quantized layers in the model and end-to-end training under each of the ten schemes (and
+one scheme of each newer format)."""
 
 import math
 
@@ -15,7 +16,7 @@ from megatron.quantization.observers import (
     register_observer,
     unregister_observer,
 )
-from megatron.quantization.schemes import SCHEMES, build_quant_config
+from megatron.quantization.schemes import SCHEMES, SEED_SCHEMES, build_quant_config
 from megatron.training.model import core_transformer_config_from_args
 from megatron.quantization.local_attention import LocalDotProductAttention, causal_mask
 from megatron.training.training import TrainingCallback, pretrain
@@ -48,7 +49,21 @@ def bf16_losses():
     return train(["--quant-scheme", "bf16"], iters=5)[0].losses
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+# (format of the forward operands, format of the gradient operands) per scheme suffix; FP8
+# schemes default to --fp8-format hybrid (TransformerEngine's default: E5M2 gradients).
+SCHEME_FORMATS = {"mxfp8": ("mxfp8_e4m3", "mxfp8_e4m3"), "mxfp4": ("mxfp4", "mxfp4"),
+                  "hifp8": ("hifp8", "hifp8"), "nvfp4": ("nvfp4", "nvfp4"),
+                  "mxfp6_e2m3": ("mxfp6_e2m3", "mxfp6_e2m3"),
+                  "mxfp6_e3m2": ("mxfp6_e3m2", "mxfp6_e3m2"), "fp8": ("fp8_e4m3", "fp8_e5m2")}
+NEWER_SCHEMES = ("FA_linear_nvfp4", "linear_mxfp6_e2m3", "FA_mxfp6_e3m2", "FA_linear_fp8")
+
+
+def test_scheme_names():
+    assert set(SEED_SCHEMES + NEWER_SCHEMES) <= set(SCHEMES)
+    assert len(SCHEMES) == 1 + 3 * len(SCHEME_FORMATS)
+
+
+@pytest.mark.parametrize("scheme", SEED_SCHEMES + NEWER_SCHEMES)
 def test_scheme_quantizes_exactly_its_gemms(scheme):
     result, counter = train(["--quant-scheme", scheme])
     assert all(math.isfinite(v) for v in result.losses.values()) and len(result.losses) == 2
@@ -58,7 +73,8 @@ def test_scheme_quantizes_exactly_its_gemms(scheme):
     if "linear" in scheme:
         expected_kinds.add("linear")
     assert counter.quantized_kinds() == expected_kinds
-    fmt = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "hifp8": "hifp8"}.get(scheme.rsplit("_", 1)[-1])
+    suffix = scheme if scheme == "bf16" else scheme.split("_", 2 if scheme.startswith("FA_linear") else 1)[-1]
+    fmt, grad_fmt = SCHEME_FORMATS.get(suffix, (None, None))
     # 2 iterations x 2 micro-batches; 2 layers; 4 linears per layer (qkv, proj, fc1, fc2).
     # The end-of-training validation adds forwards: --eval-iters 1 x 2 micro-batches.
     runs = 2 * 2 * 2
@@ -72,7 +88,8 @@ def test_scheme_quantizes_exactly_its_gemms(scheme):
                                ("wgrad", (a, "grad_output"))):
             expected = (forwards if gemm == "fprop" else runs) * sites_per_layer
             for operand in operands:
-                assert counter.quantized[(kind, gemm, operand, fmt)] == expected, \
+                want = grad_fmt if operand == "grad_output" else fmt
+                assert counter.quantized[(kind, gemm, operand, want)] == expected, \
                     (kind, gemm, operand)
     assert len(counter.sites_run["linear"]) == 2 * 4
     assert counter.sites_run["output_layer"] == {"output_layer"}  # ran, never quantized here

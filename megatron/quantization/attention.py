@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron.quantization.formats import hifp8_scale_exponent
-from megatron.quantization.gemm import MatmulQuantConfig, matmul_grads, quantized_matmul
+from megatron.quantization.gemm import (
+    MatmulQuantConfig, SiteState, matmul_grads, quantized_matmul, whole_tensor_scale)
 from megatron.quantization.local_attention import LocalDotProductAttention
 from megatron.quantization.observers import GemmSite, accepts_pieces, observer_for
 
@@ -95,11 +95,22 @@ _QUERY_SIDE = (("fprop", "a"), ("wgrad", "a"))                 # Q (QK^T), P (PV
 _GRAD_SIDE = (("dgrad", "grad_output"), ("wgrad", "grad_output"))   # dS (QK^T), dO (PV)
 
 
+def _slot_formats(config: MatmulQuantConfig) -> dict:
+    return {("fprop", "a"): config.fprop.a, ("wgrad", "a"): config.wgrad.a,
+            ("dgrad", "grad_output"): config.dgrad.a, ("wgrad", "grad_output"): config.wgrad.b}
+
+
 def _needs_whole_scale(config: MatmulQuantConfig, keys) -> bool:
-    formats = {("fprop", "a"): config.fprop.a, ("wgrad", "a"): config.wgrad.a,
-               ("dgrad", "grad_output"): config.dgrad.a,
-               ("wgrad", "grad_output"): config.wgrad.b}
+    formats = _slot_formats(config)
     return any(config.tensor_scaled(formats[key]) for key in keys)
+
+
+def _whole_scales(config: MatmulQuantConfig, keys, amax: torch.Tensor) -> dict:
+    """{(gemm, operand): imposed scale} of the tensor-scaled operands among `keys`, all
+    cut from one tensor whose whole amax is `amax`."""
+    formats = _slot_formats(config)
+    return {key: whole_tensor_scale(formats[key], amax) for key in keys
+            if config.tensor_scaled(formats[key])}
 
 
 def _piece_observer(observer, first: bool, skip_fprop: bool = False):
@@ -116,9 +127,9 @@ def _piece_observer(observer, first: bool, skip_fprop: bool = False):
     return observe
 
 
-def _whole_scale(pieces) -> torch.Tensor:
-    """The per-tensor scale exponent of a tensor seen in pieces: amax of the piece amaxes."""
-    return hifp8_scale_exponent(torch.stack([p.detach().abs().amax().float() for p in pieces]))
+def _amax(pieces) -> torch.Tensor:
+    """max |x| of a tensor seen in pieces (0-d float32, on the device)."""
+    return torch.stack([p.detach().abs().amax().float() for p in pieces]).amax()
 
 
 class _ChunkedAttention(torch.autograd.Function):
@@ -127,30 +138,32 @@ class _ChunkedAttention(torch.autograd.Function):
     probabilities under autograd and runs the PV GEMM's own backward on them, the very
     operations the unfused path's autograd runs.
 
-    Tensor-scaled HiFP8 operands (--hifp8-scaling tensor) cut into chunks take the scale of
-    the whole operand, as in the unfused path: Q and dO directly; P and dS, which exist only
+    Tensor-scaled operands (HiFP8 with --hifp8-scaling tensor, NVFP4, FP8 tensorwise) cut into
+    chunks take the scale of the whole operand, as in the unfused path: Q and dO directly; P and dS, which exist only
     chunk by chunk, from a first pass over the chunks that only measures their amax."""
 
     @staticmethod
-    def forward(ctx, q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds, observers):
+    def forward(ctx, q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds, observers,
+                pv_state):
         ctx.save_for_backward(q, k_t, v)
         ctx.fns, ctx.cfgs, ctx.bounds = (scores_fn, softmax_fn), (qk_cfg, pv_cfg), bounds
-        ctx.observers = observers
+        ctx.observers, ctx.pv_state = observers, pv_state
         qk_obs, pv_obs = observers
         qk_scales, pv_scales = {}, {}
         if _needs_whole_scale(qk_cfg, _QUERY_SIDE + _GRAD_SIDE):
-            qk_scales = dict.fromkeys(_QUERY_SIDE, hifp8_scale_exponent(q))
+            qk_scales = _whole_scales(qk_cfg, _QUERY_SIDE, _amax([q]))
 
         def probs(r0, r1, observer=None):
             return softmax_fn(scores_fn(q[:, r0:r1], k_t, qk_scales, observer), r0, r1)
 
         if _needs_whole_scale(pv_cfg, _QUERY_SIDE):
-            pv_scales = dict.fromkeys(_QUERY_SIDE, _whole_scale(probs(r0, r1)
-                                                                for r0, r1 in bounds))
+            pv_scales = _whole_scales(pv_cfg, _QUERY_SIDE,
+                                      _amax(probs(r0, r1) for r0, r1 in bounds))
         ctx.scales = (qk_scales, pv_scales)
         return torch.cat([
             quantized_matmul(probs(r0, r1, _piece_observer(qk_obs, i == 0)), v, pv_cfg,
-                             observer=_piece_observer(pv_obs, i == 0), scales=pv_scales)
+                             observer=_piece_observer(pv_obs, i == 0), scales=pv_scales,
+                             state=pv_state)
             for i, (r0, r1) in enumerate(bounds)], dim=1)
 
     @staticmethod
@@ -160,9 +173,9 @@ class _ChunkedAttention(torch.autograd.Function):
         qk_scales, pv_scales = (dict(s) for s in ctx.scales)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         if _needs_whole_scale(pv_cfg, _GRAD_SIDE):
-            pv_scales.update(dict.fromkeys(_GRAD_SIDE, hifp8_scale_exponent(grad_out)))
+            pv_scales.update(_whole_scales(pv_cfg, _GRAD_SIDE, _amax([grad_out])))
         if _needs_whole_scale(qk_cfg, _GRAD_SIDE):
-            qk_scales.update(dict.fromkeys(_GRAD_SIDE, _whole_scale(
+            qk_scales.update(_whole_scales(qk_cfg, _GRAD_SIDE, _amax(
                 _ChunkedAttention._score_grads(q, k_t, v, grad_out, ctx, qk_scales,
                                                pv_scales))))
         qk_obs, pv_obs = ctx.observers
@@ -176,7 +189,8 @@ class _ChunkedAttention(torch.autograd.Function):
                                    r0, r1)
                 grad_probs, grad_v_part = matmul_grads(
                     probs.detach(), v, grad_out[:, r0:r1], pv_cfg,
-                    _piece_observer(pv_obs, i == 0), need_b=need_v, scales=pv_scales)
+                    _piece_observer(pv_obs, i == 0), need_b=need_v, scales=pv_scales,
+                    state=ctx.pv_state)
                 if need_v:
                     grad_v = _accumulate(grad_v, grad_v_part)
                 leaves = [t for t, n in ((q_leaf, need_q), (k_leaf, need_k)) if n]
@@ -190,7 +204,7 @@ class _ChunkedAttention(torch.autograd.Function):
         grad_q = torch.cat(grad_q_parts, dim=1) if need_q else None
         grad_k = grad_k.to(k_t.dtype) if grad_k is not None else None
         grad_v = grad_v.to(v.dtype) if grad_v is not None else None
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
 
     @staticmethod
     def _score_grads(q, k_t, v, grad_out, ctx, qk_scales, pv_scales):
@@ -203,8 +217,10 @@ class _ChunkedAttention(torch.autograd.Function):
                     scores = scores_fn(q[:, r0:r1], k_t, qk_scales, None)
                 scores.requires_grad_(True)
                 probs = softmax_fn(scores, r0, r1)
+                # Measures amaxes only: a throwaway state, so no stochastic draws are counted.
                 grad_probs, _ = matmul_grads(probs.detach(), v, grad_out[:, r0:r1], pv_cfg,
-                                             need_b=False, scales=pv_scales)
+                                             need_b=False, scales=pv_scales,
+                                             state=SiteState("", pv_cfg))
                 yield torch.autograd.grad(probs, scores, grad_probs)[0]
 
 
@@ -224,6 +240,10 @@ class QuantDotProductAttention(LocalDotProductAttention):
     @staticmethod
     def _observer(site: Optional[GemmSite]):
         return observer_for(site) if site is not None else None
+
+    @staticmethod
+    def _state(site: Optional[GemmSite]) -> Optional[SiteState]:
+        return site.state if site is not None else None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -297,15 +317,18 @@ class QuantDotProductAttention(LocalDotProductAttention):
             # Per-sample masks [b, 1, ...] -> one per (sample, group) row block of q.
             return mask.repeat_interleave(ng, dim=0) if mask.size(0) > 1 else mask
 
+        qk_state, pv_state = self._state(self.qk_site), self._state(self.pv_site)
+
         def scores_fn(q_c, k_t_, scales, observer):
-            return quantized_matmul(q_c, k_t_, qk_cfg, observer=observer, scales=scales)
+            return quantized_matmul(q_c, k_t_, qk_cfg, observer=observer, scales=scales,
+                                    state=qk_state)
 
         def softmax_fn(scores, r0, r1):
             scores = scores * self.softmax_scale
             return self._masked_softmax(scores.unsqueeze(1), chunk_mask(r0, r1)).squeeze(1)
 
         return _ChunkedAttention.apply(q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds,
-                                       observers)
+                                       observers, pv_state)
 
     def _masked_softmax(self, scores, mask):
         """megatron-core's FusedScaleMaskSoftmax (its torch path), for any number of rows."""
@@ -330,7 +353,8 @@ class QuantDotProductAttention(LocalDotProductAttention):
     def _unfused(self, q, k_t, v, attention_mask, qk_cfg, pv_cfg, qk_obs, pv_obs, query, key):
         sq, b, np_, _ = query.shape
         sk, ng = key.size(0), key.size(2)
-        scores = quantized_matmul(q, k_t, qk_cfg, observer=qk_obs)
+        scores = quantized_matmul(q, k_t, qk_cfg, observer=qk_obs,
+                                  state=self._state(self.qk_site))
         scores = (scores * self.softmax_scale).view(b, np_, sq, sk)
         probs = self.scale_mask_softmax(scores, attention_mask, self.softmax_offset)
         if self.config.sequence_parallel:
@@ -339,7 +363,8 @@ class QuantDotProductAttention(LocalDotProductAttention):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 probs = self.attention_dropout(probs)
         probs = probs.view(b * ng, (np_ // ng) * sq, sk)
-        return quantized_matmul(probs, v, pv_cfg, observer=pv_obs)
+        return quantized_matmul(probs, v, pv_cfg, observer=pv_obs,
+                                state=self._state(self.pv_site))
 
 
 def reference_attention(module: QuantDotProductAttention, query, key, value, attention_mask,

@@ -30,8 +30,10 @@ from megatron.quantization.layers import (
     QuantRowParallelLinear,
 )
 from megatron.quantization.local_attention import LocalDotProductAttention
+from megatron.quantization.gemm import SiteState
 from megatron.quantization.observers import GemmSite
-from megatron.quantization.schemes import QuantConfig
+from megatron.quantization.recipes import global_module_path
+from megatron.quantization.schemes import QuantConfig, config_details
 
 # Exact class -> quantized subclass (subclasses of these are someone else's modules: left alone).
 QUANTIZED_CLASS = {
@@ -85,17 +87,45 @@ def apply_quantization(model: torch.nn.Module, quant: QuantConfig) -> List[GemmS
     output_layer = getattr(model, "output_layer", None)
     layers = _layer_numbers(model)
     sites = []
+
+    def site(name: str, kind: str, layer) -> GemmSite:
+        path = global_module_path(name, layer)
+        config = quant.for_site(kind, layer, path)
+        if config.rht_gemms and kind in ("attn_qk", "attn_pv"):
+            raise QuantizationError(
+                f"{path}: the random Hadamard transform applies to linear layers only (the "
+                f"recipe file's config for this attention site sets rht)")
+        return GemmSite(name, kind, layer, config, SiteState(path, config))
+
     for name, module in model.named_modules():
         layer = _owning_layer(name, layers)
         if isinstance(module, QuantizedLinearMixin):
             kind = "output_layer" if module is output_layer else "linear"
-            module.quant_site = GemmSite(name, kind, layer, quant.for_site(kind, layer))
+            module.quant_site = site(name, kind, layer)
             sites.append(module.quant_site)
         elif isinstance(module, QuantDotProductAttention):
-            module.qk_site = GemmSite(f"{name}.qk", "attn_qk", layer,
-                                      quant.for_site("attn_qk", layer))
-            module.pv_site = GemmSite(f"{name}.pv", "attn_pv", layer,
-                                      quant.for_site("attn_pv", layer))
+            module.qk_site = site(f"{name}.qk", "attn_qk", layer)
+            module.pv_site = site(f"{name}.pv", "attn_pv", layer)
             module.impl = quant.attention_impl
             sites.extend([module.qk_site, module.pv_site])
+    if quant.rules is not None and not quant.rules.matched and sites:
+        raise QuantizationError(
+            f"--quant-recipe-file {quant.rules.path}: no matcher matches any GEMM site of this "
+            f"model (site paths look like {sites[0].state.path})")
     return sites
+
+
+def describe_sites(sites: List[GemmSite]) -> str:
+    """One line per quantized GEMM site: its global path, its formats and settings (the
+    start-up table of recipe runs)."""
+    lines = ["quantized GEMM sites (fprop a/b, dgrad a/b, wgrad a/b):"]
+    for s in sites:
+        cfg = s.config
+        if not cfg.enabled:
+            lines.append(f"  {s.state.path:<48} high precision")
+            continue
+        formats = " | ".join(f"{getattr(cfg, g).a}/{getattr(cfg, g).b}"
+                             for g in ("fprop", "dgrad", "wgrad"))
+        details = config_details(cfg)
+        lines.append(f"  {s.state.path:<48} {formats}" + (f"; {details}" if details else ""))
+    return "\n".join(lines)

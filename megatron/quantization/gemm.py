@@ -47,23 +47,36 @@ for |hp| >= 40960.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, FrozenSet, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from megatron.quantization import randomness
+from megatron.quantization.delayed_scaling import AMAX_COMPUTE_ALGOS, AmaxHistories
 from megatron.quantization.formats import (
     SCALE_MODES,
     canonical_format,
     fake_quantize,
+    format_info,
+    hifp8_scale_exponent,
     hifp8_scaled_fake_quantize,
+    random_hadamard_transform,
 )
 
-__all__ = ["OperandFormats", "MatmulQuantConfig", "quantized_matmul", "quantized_linear",
-           "matmul_grads", "quantize_operand", "HIFP8_SCALINGS"]
+__all__ = ["OperandFormats", "MatmulQuantConfig", "Fp8Settings", "SiteState",
+           "quantized_matmul", "quantized_linear", "matmul_grads", "quantize_operand",
+           "HIFP8_SCALINGS", "FP8_RECIPES", "RHT_BLOCKS", "OPERAND_SLOTS"]
 
 HIFP8_SCALINGS = ("none", "tensor")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+RHT_BLOCKS = (16, 32, 64, 128)
+GEMMS = ("fprop", "dgrad", "wgrad")
+# The operand slots of a GEMM site: "<gemm>.<side>", side a / b of OperandFormats.
+OPERAND_SLOTS = tuple(f"{g}.{side}" for g in GEMMS for side in ("a", "b"))
+GRADIENT_SLOTS = frozenset({"dgrad.a", "wgrad.b"})     # dY in dgrad and in wgrad
+_STOCHASTIC_KINDS = ("mx", "nvfp4", "fp8")
 
 Observer = Callable[..., None]
 
@@ -85,6 +98,36 @@ class OperandFormats:
 
 
 @dataclass(frozen=True)
+class Fp8Settings:
+    """How FP8 operands ("fp8_e4m3" / "fp8_e5m2") are scaled, as TransformerEngine's recipes:
+
+    tensorwise  one float32 scale per operand from its own amax (Float8CurrentScaling)
+    delayed     one scale per operand from the amax history of its earlier quantizations
+                (DelayedScaling; `amax_history_len`, `amax_compute_algo`)
+    blockwise   one scale per 1x128 tile along the reduction axis, per 128x128 tile for
+                weights of sites with 2-D weight tiles (Float8BlockScaling)
+
+    scale = (fp8_max * 2**-margin) / amax, truncated to a power of two when `pow2_scale`.
+    """
+
+    recipe: str = "tensorwise"
+    margin: float = 0
+    pow2_scale: bool = False
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+
+    def __post_init__(self):
+        if self.recipe not in FP8_RECIPES:
+            raise ValueError(f"unknown FP8 recipe {self.recipe!r}; valid: {', '.join(FP8_RECIPES)}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"unknown amax compute algorithm {self.amax_compute_algo!r}; "
+                             f"valid: {', '.join(AMAX_COMPUTE_ALGOS)}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(f"amax history length must be a positive int, got "
+                             f"{self.amax_history_len!r}")
+
+
+@dataclass(frozen=True)
 class MatmulQuantConfig:
     """Per-GEMM operand formats of one matmul site.
 
@@ -97,6 +140,17 @@ class MatmulQuantConfig:
     must not turn a whole GEMM into Inf/NaN). hifp8_scaling "tensor" gives every HiFP8
     operand one power-of-two scale from its own amax (formats.hifp8_scaled_fake_quantize);
     "none" casts it unscaled.
+
+    The FP4-recipe settings:
+    stochastic  operand slots ("fprop.a", "dgrad.a", ... see OPERAND_SLOTS) whose elements are
+                stochastically rounded (MX, NVFP4 and FP8 operands; counter-based draws, see
+                randomness.py)
+    rht_gemms   GEMMs whose two operands go through the random Hadamard transform of block
+                `rht_block` along the reduction axis (sign vector from `rht_seed`) before they
+                are quantized; the exact product is unchanged (linear sites only)
+    weight_2d   weights (linear sites) in 2-D tiles: NVFP4 16x16, FP8 blockwise 128x128, so the
+                fprop and dgrad copies of a weight are the same numbers
+    fp8         the scaling of FP8 operands (Fp8Settings)
     """
 
     fprop: OperandFormats = OperandFormats()
@@ -105,6 +159,12 @@ class MatmulQuantConfig:
     scale_mode: str = "floor"
     hifp8_saturate: bool = True
     hifp8_scaling: str = "none"
+    stochastic: FrozenSet[str] = frozenset()
+    rht_gemms: Tuple[str, ...] = ()
+    rht_block: int = 16
+    rht_seed: int = 0
+    weight_2d: bool = False
+    fp8: Fp8Settings = field(default_factory=Fp8Settings)
 
     def __post_init__(self):
         for gemm in ("fprop", "dgrad", "wgrad"):
@@ -118,6 +178,17 @@ class MatmulQuantConfig:
         if self.hifp8_scaling not in HIFP8_SCALINGS:
             raise ValueError(f"unknown HiFP8 scaling {self.hifp8_scaling!r}; valid: "
                              f"{', '.join(HIFP8_SCALINGS)}")
+        object.__setattr__(self, "stochastic", frozenset(self.stochastic))
+        unknown = sorted(set(self.stochastic) - set(OPERAND_SLOTS))
+        if unknown:
+            raise ValueError(f"unknown operand slots {unknown}; valid: {', '.join(OPERAND_SLOTS)}")
+        object.__setattr__(self, "rht_gemms", tuple(self.rht_gemms))
+        if set(self.rht_gemms) - set(GEMMS):
+            raise ValueError(f"unknown GEMMs {list(self.rht_gemms)} for the Hadamard transform; "
+                             f"valid: {', '.join(GEMMS)}")
+        if self.rht_block not in RHT_BLOCKS:
+            raise ValueError(f"Hadamard block {self.rht_block!r} is not one of "
+                             f"{', '.join(map(str, RHT_BLOCKS))}")
 
     @property
     def enabled(self) -> bool:
@@ -129,35 +200,114 @@ class MatmulQuantConfig:
         return self.hifp8_saturate if fmt == "hifp8" else None
 
     def tensor_scaled(self, fmt: str) -> bool:
-        """True when operands in `fmt` get a per-tensor scale (HiFP8 with scaling "tensor")."""
-        return fmt == "hifp8" and self.hifp8_scaling == "tensor"
+        """True when operands in `fmt` get one scale computed from the whole tensor: HiFP8 with
+        scaling "tensor" (a power-of-two exponent), NVFP4 (its float32 tensor scale) and FP8
+        with the tensorwise recipe. An operand quantized in pieces (chunked attention) must be
+        given the whole operand's scale: see `whole_tensor_scale`."""
+        if fmt == "hifp8":
+            return self.hifp8_scaling == "tensor"
+        if fmt == "nvfp4":
+            return True
+        return fmt.startswith("fp8_") and self.fp8.recipe in ("tensorwise", "delayed")
+
+    def delayed(self, fmt: str) -> bool:
+        """True when operands in `fmt` take their scale from an amax history."""
+        return fmt.startswith("fp8_") and self.fp8.recipe == "delayed"
+
+    def stochastic_slot(self, gemm: str, side: str, fmt: str) -> bool:
+        """True when the operand in slot gemm.side is stochastically rounded."""
+        return (f"{gemm}.{side}" in self.stochastic and fmt != "none"
+                and format_info(fmt).kind in _STOCHASTIC_KINDS)
+
+
+def whole_tensor_scale(fmt: str, amax: torch.Tensor):
+    """The imposed scale of a tensor-scaled operand quantized in pieces, from the amax of the
+    whole operand (a 0-d float32 tensor; no host sync): the HiFP8 scale exponent, or the amax
+    itself (NVFP4, FP8)."""
+    return hifp8_scale_exponent(amax.reshape(1)) if fmt == "hifp8" else amax
 
 
 def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantConfig,
-                     scale_exponent=None) -> torch.Tensor:
+                     scale_exponent=None, *, weight: bool = False, amax=None,
+                     seed: Optional[int] = None) -> torch.Tensor:
     """How `config` quantizes one GEMM operand in `fmt` blocked along `axis`: the single
-    definition the GEMMs use and captures are reproduced with. `scale_exponent` imposes the
-    per-tensor scale of a tensor-scaled operand (see formats.hifp8_scaled_fake_quantize)."""
-    if config.tensor_scaled(fmt):
+    definition the GEMMs use and captures are reproduced with.
+
+    scale_exponent imposes the per-tensor scale of a tensor-scaled HiFP8 operand (see
+    formats.hifp8_scaled_fake_quantize); amax the per-tensor amax of an NVFP4 or FP8 operand
+    (delayed scaling, or one piece of a larger operand); seed, when given, rounds the
+    elements stochastically with a generator seeded by it; weight marks a linear layer's
+    weight (2-D tiles when config.weight_2d)."""
+    if config.tensor_scaled(fmt) and fmt == "hifp8":
         return hifp8_scaled_fake_quantize(hp, saturate=config.saturate_for(fmt),
                                           scale_exponent=scale_exponent)
-    return fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode,
-                         saturate=config.saturate_for(fmt))
-
-
-def _operand(observer, config, gemm, name, hp, fmt, axis, scales=None):
-    """Quantize one GEMM operand (or pass it through) and report it. `scales` maps
-    (gemm, name) to imposed per-tensor scale exponents (operands cut into chunks)."""
-    q = None
-    scale = scales.get((gemm, name)) if scales and fmt != "none" else None
-    if fmt != "none":
-        q = quantize_operand(hp, fmt, axis, config, scale)
-    if observer is not None:
-        if scale is not None and config.tensor_scaled(fmt):
-            observer(gemm, name, hp, q, fmt, axis, scale_exponent=scale)
+    kind = format_info(fmt).kind
+    options = {}
+    if seed is not None:
+        options.update(rounding="stochastic", generator=randomness.generator(seed, hp.device))
+    if kind == "nvfp4":
+        options.update(block_2d=weight and config.weight_2d and hp.dim() == 2, amax=amax)
+    elif kind == "fp8":
+        fp8 = config.fp8
+        if fp8.recipe == "blockwise":
+            tile = (128, 128) if weight and config.weight_2d and hp.dim() == 2 else (1, 128)
+            options.update(scaling="block", block=tile, pow2_scale=fp8.pow2_scale)
         else:
-            observer(gemm, name, hp, q, fmt, axis)
+            options.update(scaling="tensor", amax=amax, margin=fp8.margin,
+                           pow2_scale=fp8.pow2_scale)
+    return fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode,
+                         saturate=config.saturate_for(fmt), **options)
+
+
+class SiteState:
+    """What a GEMM site keeps between calls: its global module path (the key of its
+    stochastic-rounding draws) and, for delayed FP8 scaling, its amax histories."""
+
+    def __init__(self, path: str, config: MatmulQuantConfig):
+        self.path = path
+        fp8 = config.fp8
+        uses_delayed = any(config.delayed(getattr(getattr(config, g), side))
+                           for g in GEMMS for side in ("a", "b"))
+        self.amax = AmaxHistories(fp8.amax_history_len, fp8.amax_compute_algo) \
+            if uses_delayed else None
+
+
+def _operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None, state=None,
+             weight=False):
+    """Quantize one GEMM operand (or pass it through) and report it. `scales` maps
+    (gemm, name) to imposed per-tensor scales (operands cut into chunks, see
+    whole_tensor_scale); `state` is the site's SiteState (stochastic draws, amax histories).
+
+    The observer receives, as keywords, whatever besides (fmt, axis, config) determined q:
+    scale_exponent (imposed HiFP8 scale), amax (imposed or delayed NVFP4/FP8 amax, a 0-d
+    tensor), seed (stochastic rounding), weight=True (a weight in 2-D tiles)."""
+    q = None
+    extra = {}
+    if fmt != "none":
+        imposed = scales.get((gemm, name)) if scales else None
+        if state is not None and state.amax is not None and config.delayed(fmt):
+            extra["amax"] = state.amax.step((gemm, name), hp)
+        elif imposed is not None and config.tensor_scaled(fmt):
+            extra["scale_exponent" if fmt == "hifp8" else "amax"] = imposed
+        if config.stochastic_slot(gemm, side, fmt):
+            extra["seed"] = randomness.draw_seed(state.path if state else "", gemm, name)
+        if weight and config.weight_2d:
+            extra["weight"] = True
+        q = quantize_operand(hp, fmt, axis, config, **extra)
+    if observer is not None:
+        observer(gemm, name, hp, q, fmt, axis, **extra)
     return hp if q is None else q
+
+
+def _rotated(t: torch.Tensor, axis: int, config: MatmulQuantConfig) -> torch.Tensor:
+    """t through the random Hadamard transform along `axis`, zero-padded to a multiple of the
+    block first (zero rows of both operands add nothing to the product)."""
+    n = t.shape[axis]
+    pad = -n % config.rht_block
+    if pad:
+        spec = [0, 0] * (t.dim() - 1 - axis) + [0, pad]
+        t = F.pad(t, spec)
+    return random_hadamard_transform(t, axis=axis, block=config.rht_block, seed=config.rht_seed)
 
 
 def _result(observer, gemm, name, value):
@@ -168,99 +318,126 @@ def _result(observer, gemm, name, value):
 
 class _QuantizedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, config, observer, scales):
+    def forward(ctx, a, b, config, observer, scales, state):
         ctx.save_for_backward(a, b)
-        ctx.config, ctx.observer, ctx.scales = config, observer, scales
-        qa = _operand(observer, config, "fprop", "a", a, config.fprop.a, a.dim() - 1, scales)
-        qb = _operand(observer, config, "fprop", "b", b, config.fprop.b, b.dim() - 2, scales)
+        ctx.config, ctx.observer, ctx.scales, ctx.state = config, observer, scales, state
+        qa = _operand(observer, config, "fprop", "a", "a", a, config.fprop.a, a.dim() - 1,
+                      scales, state)
+        qb = _operand(observer, config, "fprop", "b", "b", b, config.fprop.b, b.dim() - 2,
+                      scales, state)
         return _result(observer, "fprop", "output", torch.matmul(qa, qb))
 
     @staticmethod
     def backward(ctx, grad_c):
         a, b = ctx.saved_tensors
         grad_a, grad_b = matmul_grads(a, b, grad_c, ctx.config, ctx.observer,
-                                      *ctx.needs_input_grad[:2], scales=ctx.scales)
-        return grad_a, grad_b, None, None, None
+                                      *ctx.needs_input_grad[:2], scales=ctx.scales,
+                                      state=ctx.state)
+        return grad_a, grad_b, None, None, None, None
 
 
 def matmul_grads(a, b, grad_c, config: MatmulQuantConfig, observer=None, need_a: bool = True,
-                 need_b: bool = True, scales=None):
+                 need_b: bool = True, scales=None, state: Optional[SiteState] = None):
     """(dA, dB) of C = A @ B: the dgrad and wgrad GEMMs quantized_matmul's backward runs."""
     grad_a = grad_b = None
     if need_a:
-        qg = _operand(observer, config, "dgrad", "grad_output", grad_c, config.dgrad.a,
-                      grad_c.dim() - 1, scales)
-        qb = _operand(observer, config, "dgrad", "b", b, config.dgrad.b, b.dim() - 1, scales)
+        qg = _operand(observer, config, "dgrad", "grad_output", "a", grad_c, config.dgrad.a,
+                      grad_c.dim() - 1, scales, state)
+        qb = _operand(observer, config, "dgrad", "b", "b", b, config.dgrad.b, b.dim() - 1,
+                      scales, state)
         grad_a = _result(observer, "dgrad", "grad_a", torch.matmul(qg, qb.transpose(-1, -2)))
     if need_b:
-        qa = _operand(observer, config, "wgrad", "a", a, config.wgrad.a, a.dim() - 2, scales)
-        qg = _operand(observer, config, "wgrad", "grad_output", grad_c, config.wgrad.b,
-                      grad_c.dim() - 2, scales)
+        qa = _operand(observer, config, "wgrad", "a", "a", a, config.wgrad.a, a.dim() - 2,
+                      scales, state)
+        qg = _operand(observer, config, "wgrad", "grad_output", "b", grad_c, config.wgrad.b,
+                      grad_c.dim() - 2, scales, state)
         grad_b = _result(observer, "wgrad", "grad_b", torch.matmul(qa.transpose(-1, -2), qg))
     return grad_a, grad_b
 
 
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, config, observer):
+    def forward(ctx, x, weight, bias, config, observer, state):
         ctx.save_for_backward(x, weight)
-        ctx.config, ctx.observer = config, observer
-        qx = _operand(observer, config, "fprop", "input", x, config.fprop.a, x.dim() - 1)
-        qw = _operand(observer, config, "fprop", "weight", weight, config.fprop.b, 1)
+        ctx.config, ctx.observer, ctx.state = config, observer, state
+        x_in, w_in = x, weight
+        if "fprop" in config.rht_gemms:      # reduction over K: x's last axis, W's axis 1
+            x_in, w_in = _rotated(x, x.dim() - 1, config), _rotated(weight, 1, config)
+        qx = _operand(observer, config, "fprop", "input", "a", x_in, config.fprop.a,
+                      x.dim() - 1, state=state)
+        qw = _operand(observer, config, "fprop", "weight", "b", w_in, config.fprop.b, 1,
+                      state=state, weight=True)
         return _result(observer, "fprop", "output", F.linear(qx, qw, bias))
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        config, observer = ctx.config, ctx.observer
+        config, observer, state = ctx.config, ctx.observer, ctx.state
         n, k = weight.shape
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
             # dX = dY @ W: reduction over N, the last axis of dY and axis 0 of W.
-            qg = _operand(observer, config, "dgrad", "grad_output", grad_y, config.dgrad.a,
-                          grad_y.dim() - 1)
-            qw = _operand(observer, config, "dgrad", "weight", weight, config.dgrad.b, 0)
+            g_in, w_in = grad_y, weight
+            if "dgrad" in config.rht_gemms:
+                g_in, w_in = _rotated(grad_y, grad_y.dim() - 1, config), _rotated(weight, 0, config)
+            qg = _operand(observer, config, "dgrad", "grad_output", "a", g_in, config.dgrad.a,
+                          grad_y.dim() - 1, state=state)
+            qw = _operand(observer, config, "dgrad", "weight", "b", w_in, config.dgrad.b, 0,
+                          state=state, weight=True)
             grad_x = _result(observer, "dgrad", "grad_input", torch.matmul(qg, qw))
         if ctx.needs_input_grad[1]:
             # dW = dY^T @ X: reduction over all tokens, flattened to one M axis.
             g2, x2 = grad_y.reshape(-1, n), x.reshape(-1, k)
-            qg = _operand(observer, config, "wgrad", "grad_output", g2, config.wgrad.b, 0)
-            qx = _operand(observer, config, "wgrad", "input", x2, config.wgrad.a, 0)
+            if "wgrad" in config.rht_gemms:
+                g2, x2 = _rotated(g2, 0, config), _rotated(x2, 0, config)
+            qg = _operand(observer, config, "wgrad", "grad_output", "b", g2, config.wgrad.b, 0,
+                          state=state)
+            qx = _operand(observer, config, "wgrad", "input", "a", x2, config.wgrad.a, 0,
+                          state=state)
             grad_w = _result(observer, "wgrad", "grad_weight", torch.matmul(qg.t(), qx))
         if ctx.needs_input_grad[2]:
             grad_bias = grad_y.reshape(-1, n).sum(0)
-        return grad_x, grad_w, grad_bias, None, None
+        return grad_x, grad_w, grad_bias, None, None, None
 
 
 def quantized_matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulQuantConfig,
-                     observer: Optional[Observer] = None, scales=None) -> torch.Tensor:
+                     observer: Optional[Observer] = None, scales=None,
+                     state: Optional[SiteState] = None) -> torch.Tensor:
     """a @ b with every GEMM's operands quantized as `config` says.
 
     a [..., M, K] and b [..., K, N] must have the same leading batch dims (no broadcasting:
     a broadcast operand's wgrad would quantize per batch entry, not per GEMM). `scales` maps
     (gemm, operand) -- ("fprop", "a"), ("dgrad", "grad_output"), ... -- to the per-tensor
-    scale exponent a tensor-scaled operand must use, for a GEMM that is one piece of a
-    larger one (chunked attention); other operands derive their scales themselves.
+    scale a tensor-scaled operand must use (whole_tensor_scale), for a GEMM that is one piece
+    of a larger one (chunked attention); other operands derive their scales themselves.
+    `state` is the site's SiteState (stochastic draws, amax histories).
     """
     if not config.enabled and observer is None:
         return torch.matmul(a, b)
     if a.dim() < 2 or b.dim() < 2 or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
         raise ValueError(f"quantized_matmul needs a [..., M, K] and b [..., K, N] with the same "
                          f"batch dims, got {tuple(a.shape)} and {tuple(b.shape)}")
-    return _QuantizedMatmul.apply(a, b, config, observer, scales)
+    if config.rht_gemms:
+        raise ValueError("the random Hadamard transform applies to linear layers only, not to "
+                         "attention's GEMMs")
+    return _QuantizedMatmul.apply(a, b, config, observer, scales, state)
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     config: MatmulQuantConfig,
-                     observer: Optional[Observer] = None) -> torch.Tensor:
+                     config: MatmulQuantConfig, observer: Optional[Observer] = None,
+                     state: Optional[SiteState] = None) -> torch.Tensor:
     """y = x @ weight^T + bias with every GEMM's operands quantized as `config` says.
 
-    x [..., K] (any number of leading token dims), weight [N, K], bias [N] or None. Disabled
-    and unobserved, this is exactly torch.nn.functional.linear.
+    x [..., K] (any number of leading token dims), weight [N, K], bias [N] or None. `state`
+    is the site's SiteState (stochastic draws keyed by its path, delayed-scaling histories;
+    a fresh one is made when omitted). Disabled and unobserved, this is exactly
+    torch.nn.functional.linear.
     """
     if not config.enabled and observer is None:
         return F.linear(x, weight, bias)
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"quantized_linear needs x [..., K] and weight [N, K], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    return _QuantizedLinear.apply(x, weight, bias, config, observer)
+    if state is None:
+        state = SiteState("", config)
+    return _QuantizedLinear.apply(x, weight, bias, config, observer, state)

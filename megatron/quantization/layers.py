@@ -49,7 +49,9 @@ class QuantizedLinearMixin:
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         observer = observer_for(self.quant_site) if self.quant_site is not None else None
-        return quantized_linear(input, weight, bias, self.quant_config, observer=observer)
+        state = self.quant_site.state if self.quant_site is not None else None
+        return quantized_linear(input, weight, bias, self.quant_config, observer=observer,
+                                state=state)
 
 
 class QuantColumnParallelLinear(QuantizedLinearMixin, ColumnParallelLinear):

@@ -18,22 +18,24 @@ observe a site.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
-from megatron.quantization.gemm import MatmulQuantConfig
+from megatron.quantization.gemm import MatmulQuantConfig, SiteState
 
 Observer = Callable[..., None]
 
 
 @dataclass(frozen=True)
 class GemmSite:
-    """Where a GEMM runs: `name` is the module path, `kind` one of schemes.SITE_KINDS."""
+    """Where a GEMM runs: `name` is the module path, `kind` one of schemes.SITE_KINDS;
+    `state` what the site keeps between calls (its global path, amax histories)."""
 
     name: str
     kind: str
     layer_number: Optional[int]
     config: MatmulQuantConfig
+    state: Optional[SiteState] = field(default=None, compare=False, hash=False, repr=False)
 
 
 _OBSERVERS: List[Observer] = []

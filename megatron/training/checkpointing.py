@@ -27,6 +27,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron.quantization.delayed_scaling import histories_state, load_histories_state
+
 from megatron.training.checkpoint_files import first_line, verify_checkpoint
 from megatron.training.errors import ConfigError
 
@@ -113,6 +115,25 @@ _READ_ERRORS = (CheckpointException, CheckpointingException, pickle.UnpicklingEr
                 AttributeError)
 
 
+def _model_sites(model):
+    """The GEMM sites of a built model (model.quant_sites, set by build_gpt_model)."""
+    return getattr(model, "quant_sites", None) or []
+
+
+def _uses_delayed_scaling(model) -> bool:
+    return any(s.state is not None and s.state.amax is not None for s in _model_sites(model))
+
+
+def _histories_sharded_object(data) -> ShardedObject:
+    """Delayed-scaling amax histories, one object per (pp, tp, dp) rank like the RNG states
+    (after the amax reduction the tensor- and data-parallel replicas hold the same values)."""
+    pp, tp, dp = _parallel_layout()
+    offset = (parallel_state.get_pipeline_model_parallel_rank(),
+              parallel_state.get_tensor_model_parallel_rank(),
+              parallel_state.get_data_parallel_rank())
+    return ShardedObject("quant_amax_histories", data, (pp, tp, dp), offset, replica_id=0)
+
+
 def _read_error(exc: BaseException) -> str:
     """What went wrong in a checkpoint read, in a few words and without torch's advice."""
     if isinstance(exc, CheckpointException):       # failures: {rank: (exception, trace)}
@@ -123,7 +144,7 @@ def _read_error(exc: BaseException) -> str:
 
 
 def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples,
-                        is_loading=False):
+                        is_loading=False, load_histories=True):
     model_sd = model.sharded_state_dict()
     state = {
         "model": model_sd,
@@ -135,6 +156,10 @@ def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_s
     }
     if not (is_loading and args.no_load_rng):
         state["rng_state"] = _rng_sharded_object(None if is_loading else _rng_state())
+    if _uses_delayed_scaling(model) and load_histories:
+        state["has_amax_histories"] = True
+        state["amax_histories"] = _histories_sharded_object(
+            None if is_loading else histories_state(_model_sites(model)))
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading,
@@ -286,8 +311,16 @@ def load_checkpoint(root: str, found: Optional[Tuple[int, str]], model, optimize
                 init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
                 if init is not None:
                     init()
+    # Delayed-scaling histories are restored when the checkpoint has them in this layout
+    # (a checkpoint of another scheme or layout starts them afresh, as a new run does).
+    common = dist_checkpointing.load_common_state_dict(ckpt)
+    histories = (_uses_delayed_scaling(model) and common.get("has_amax_histories", False)
+                 and list(common.get("parallel_layout") or []) == _parallel_layout())
+    if _uses_delayed_scaling(model) and not histories:
+        log("note: the checkpoint has no delayed-scaling amax histories for this layout: they "
+            "start afresh (initial scale 1.0)")
     state = _sharded_state_dict(model, optimizer if use_optim else None, scheduler, args,
-                                iteration, 0, is_loading=True)
+                                iteration, 0, is_loading=True, load_histories=histories)
     try:
         loaded = dist_checkpointing.load(state, ckpt)
     except _READ_ERRORS as exc:
@@ -304,5 +337,11 @@ def load_checkpoint(root: str, found: Optional[Tuple[int, str]], model, optimize
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if not args.no_load_rng:
         _set_rng_state(loaded["rng_state"])
+    if histories:
+        load_histories_state(_model_sites(model), loaded["amax_histories"], _device_of(model))
     log(f"loaded checkpoint {ckpt} (iteration {iteration})")
     return loaded["iteration"], loaded["consumed_train_samples"]
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device

@@ -29,7 +29,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron.quantization.converter import apply_quantization
+from megatron.training.errors import ConfigError
+from megatron.quantization.converter import QuantizationError, apply_quantization
 from megatron.quantization.local_attention import LocalDotProductAttention
 from megatron.quantization.schemes import QuantConfig
 from megatron.training.modules import Norm
@@ -135,7 +136,11 @@ def build_gpt_model(args, config: TransformerConfig, quant_config: QuantConfig,
         rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     )
-    apply_quantization(model, quant_config)
+    try:
+        # The sites stay with the model: the start-up table, checkpoints (amax histories).
+        model.quant_sites = apply_quantization(model, quant_config)
+    except QuantizationError as exc:
+        raise ConfigError(str(exc)) from None
     return model
 
 

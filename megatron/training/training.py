@@ -28,6 +28,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from megatron.quantization import randomness
+from megatron.quantization.converter import describe_sites
 from megatron.quantization.formats import set_compile
 from megatron.tensor_capture.callback import TensorCaptureCallback
 from megatron.training import checkpointing
@@ -437,6 +439,11 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     to_load = checkpointing.checkpoint_to_load(
         args.load, args.load_fallback_to_previous, log=print_rank_0) if args.load else None
     ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
+    quant = args.quant_config
+    if (quant.recipe or quant.rules is not None) and parallel_state.get_tensor_model_parallel_rank() == 0 \
+            and parallel_state.get_data_parallel_rank() == 0:
+        # Per-site table of recipe runs, from the first rank of every pipeline stage.
+        print(describe_sites(raw_model.quant_sites), flush=True)
     n_params = count_parameters(raw_model)
     print(f" > number of parameters on (tensor, pipeline) model parallel rank "
           f"({parallel_state.get_tensor_model_parallel_rank()}, "
@@ -489,6 +496,8 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
 
     try:
         while iteration < args.train_iters:
+            # Stochastic-rounding draws are keyed by (seed, iteration, DP rank, site, ...).
+            randomness.start_iteration(args.seed, iteration + 1, dp_rank)
             for cb in callbacks:
                 cb.on_iteration_start(iteration + 1)
             micro_batch["index"] = 0

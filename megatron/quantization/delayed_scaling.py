@@ -1,0 +1,94 @@
+"""Delayed FP8 scaling (TransformerEngine's `DelayedScaling`): the scale an operand uses at a
+step comes from the amax history recorded BEFORE that step.
+
+Each quantized operand slot of a GEMM site -- (gemm, operand), e.g. ("fprop", "input") --
+keeps the amaxes of its last `length` quantizations (a step is one quantization: a micro-batch's
+forward or backward, as TE updates its scales after every forward and backward pass). The amax
+the scale is computed from is the maximum of the history ("max") or its latest entry
+("most_recent"); the history starts at zeros, and an amax of 0 gives the scale 1.0, so the first
+step uses TE's initial scale 1.0. The operand's own amax is then reduced (max) over the ranks
+TE reduces it over -- the tensor- and data-parallel group of the pipeline stage -- and pushed.
+Everything stays on the device: no host synchronisation per GEMM.
+
+The histories are part of a checkpoint (`state_dict` / `load_state_dict`), so a resumed run
+scales exactly as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+def _reduce_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax reduced (max) over the stage's tensor- and data-parallel ranks, as TE does."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return amax
+    from megatron.core import parallel_state
+    if not parallel_state.model_parallel_is_initialized():
+        return amax
+    group = parallel_state.get_amax_reduction_group()
+    if torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    return amax
+
+
+class AmaxHistories:
+    """The amax histories of one GEMM site, one per quantized operand slot."""
+
+    def __init__(self, length: int, algo: str):
+        if not isinstance(length, int) or length < 1:
+            raise ValueError(f"amax history length must be a positive int, got {length!r}")
+        if algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"unknown amax compute algorithm {algo!r}; valid: "
+                             f"{', '.join(AMAX_COMPUTE_ALGOS)}")
+        self.length, self.algo = length, algo
+        self.histories: Dict[Tuple[str, str], torch.Tensor] = {}
+
+    def _history(self, slot, device) -> torch.Tensor:
+        hist = self.histories.get(slot)
+        if hist is None:
+            hist = self.histories[slot] = torch.zeros(self.length, dtype=torch.float32,
+                                                      device=device)
+        return hist
+
+    def step(self, slot: Tuple[str, str], x: torch.Tensor) -> torch.Tensor:
+        """The amax (0-d float32) `slot`'s scale uses now; then x's amax joins the history."""
+        hist = self._history(slot, x.device)
+        used = (hist.max() if self.algo == "max" else hist[0]).clone()
+        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        amax = _reduce_max(amax.reshape(1))
+        self.histories[slot] = torch.cat([amax, hist[:-1]])
+        return used
+
+    def state_dict(self) -> dict:
+        return {f"{gemm}.{operand}": hist.detach().cpu().tolist()
+                for (gemm, operand), hist in sorted(self.histories.items())}
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.histories = {}
+        for name, values in state.items():
+            gemm, operand = name.split(".", 1)
+            values = list(values)[:self.length]
+            values += [0.0] * (self.length - len(values))
+            self.histories[(gemm, operand)] = torch.tensor(values, dtype=torch.float32,
+                                                           device=device)
+
+
+def histories_state(sites) -> dict:
+    """{site path: {"gemm.operand": [amax, ...]}} of the sites with delayed scaling."""
+    return {site.state.path: site.state.amax.state_dict() for site in sites
+            if site.state is not None and site.state.amax is not None}
+
+
+def load_histories_state(sites, state: dict, device) -> int:
+    """Restore the histories saved by histories_state; returns how many sites were restored."""
+    restored = 0
+    for site in sites:
+        if site.state is not None and site.state.amax is not None and site.state.path in state:
+            site.state.amax.load_state_dict(state[site.state.path], device)
+            restored += 1
+    return restored

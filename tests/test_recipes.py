@@ -1,0 +1,244 @@
+"""FP4/FP8 recipes as flags and files: what each resolves to, and every mistake one line."""
+
+import json
+
+import pytest
+
+from megatron.quantization.gemm import OperandFormats
+from megatron.quantization.recipes import global_module_path, nvfp4_bf16_layers_at_end
+from megatron.training.arguments import ConfigError, parse_args, validate_args
+
+from conftest import TINY_MOCK_ARGS
+
+
+def quant(extra, num_layers=8):
+    args = parse_args(TINY_MOCK_ARGS + ["--train-iters", "2", "--num-layers", str(num_layers)]
+                      + extra)
+    args.world_size = 1
+    return validate_args(args, check_paths=False).quant_config
+
+
+def error(extra, num_layers=8) -> str:
+    with pytest.raises(ConfigError) as info:
+        quant(extra, num_layers)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------------------------------------
+# Named recipes
+# ---------------------------------------------------------------------------------------------
+
+def test_nvfp4_recipe_is_the_papers_setting():
+    q = quant(["--quant-recipe", "nvfp4"], num_layers=8)
+    lin = q.linear
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        assert getattr(lin, gemm) == OperandFormats("nvfp4", "nvfp4")
+    assert lin.weight_2d and lin.rht_gemms == ("wgrad",) and lin.rht_block == 16
+    assert lin.stochastic == {"dgrad.a", "wgrad.b"}          # the dY operands only
+    assert lin.rht_seed == 1234                                # --seed
+    assert not q.attn_qk.enabled and not q.attn_pv.enabled    # attention in BF16
+    assert q.skip_layers == {8}                                # round(0.15 * 8) = 1
+    assert q.recipe == "nvfp4"
+    assert "recipe: nvfp4" in q.describe(8)
+
+
+@pytest.mark.parametrize("layers,tail", [(1, 1), (4, 1), (8, 1), (16, 2), (32, 5), (62, 9)])
+def test_nvfp4_bf16_tail_is_about_15_percent_and_at_least_one(layers, tail):
+    assert nvfp4_bf16_layers_at_end(layers) == tail
+
+
+def test_first_last_layers_bf16_replaces_the_recipe_tail():
+    q = quant(["--quant-recipe", "nvfp4", "--first-last-layers-bf16",
+               "--num-layers-at-start-in-bf16", "2", "--num-layers-at-end-in-bf16", "3"])
+    assert q.skip_layers == {1, 2, 6, 7, 8}
+
+
+def test_first_last_layers_bf16_defaults_are_megatrons():
+    args = parse_args(TINY_MOCK_ARGS + ["--train-iters", "2"])
+    assert (args.first_last_layers_bf16, args.num_layers_at_start_in_bf16,
+            args.num_layers_at_end_in_bf16) == (False, 1, 1)
+    q = quant(["--quant-scheme", "linear_mxfp8", "--first-last-layers-bf16"], num_layers=4)
+    assert q.skip_layers == {1, 4}
+    assert q.for_site("linear", 1).enabled is False and q.for_site("linear", 2).enabled
+
+
+def test_mxfp4_rht_sr_recipe():
+    lin = quant(["--quant-recipe", "mxfp4_rht_sr"]).linear
+    assert lin.fprop == OperandFormats("none", "none")
+    assert lin.dgrad == lin.wgrad == OperandFormats("mxfp4", "mxfp4")
+    assert lin.rht_gemms == ("dgrad", "wgrad") and lin.rht_block == 64
+    assert lin.stochastic == {"dgrad.a", "dgrad.b", "wgrad.a", "wgrad.b"}
+
+
+def test_flags_without_a_recipe():
+    lin = quant(["--quant-scheme", "linear_nvfp4", "--quant-stochastic-rounding", "all",
+                 "--quant-rht", "32", "--quant-weight-2d"]).linear
+    assert lin.stochastic == {"fprop.a", "fprop.b", "dgrad.a", "dgrad.b", "wgrad.a", "wgrad.b"}
+    assert lin.rht_gemms == ("wgrad",) and lin.rht_block == 32 and lin.weight_2d
+    lin = quant(["--quant-scheme", "linear_mxfp4", "--quant-rht", "64", "--quant-rht-gemms",
+                 "dgrad", "wgrad"]).linear
+    assert lin.rht_gemms == ("dgrad", "wgrad") and not lin.weight_2d and not lin.stochastic
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--quant-recipe", "nvfp4", "--quant-scheme", "linear_mxfp8"], "drop --quant-scheme"),
+    (["--quant-recipe", "nvfp4", "--quant-stochastic-rounding", "all"],
+     "--quant-stochastic-rounding: the recipe sets these; drop it"),
+    (["--quant-recipe", "nvfp4", "--linear-quant", "mxfp4"], "--linear-quant"),
+    (["--quant-scheme", "linear_mxfp4", "--quant-rht-gemms", "wgrad"], "needs --quant-rht"),
+    (["--quant-recipe", "nvfp4", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16",
+      "9"], "--num-layers-at-end-in-bf16 9: must be in 0..8"),
+    (["--quant-scheme", "linear_nvfp4", "--quant-stochastic-rounding", "all",
+      "--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "stochastic rounding of forward operands with --recompute-*"),
+])
+def test_recipe_mistakes_are_one_line(extra, expected):
+    assert expected in error(extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 flags (megatron-core's names)
+# ---------------------------------------------------------------------------------------------
+
+def test_fp8_format_implies_linear_fp8_with_megatron_defaults():
+    q = quant(["--fp8-format", "hybrid"])
+    assert q.scheme == "linear_fp8"
+    lin = q.linear
+    assert lin.fprop == OperandFormats("fp8_e4m3", "fp8_e4m3")
+    assert lin.dgrad == OperandFormats("fp8_e5m2", "fp8_e4m3")       # (dY, W)
+    assert lin.wgrad == OperandFormats("fp8_e4m3", "fp8_e5m2")       # (X, dY)
+    assert (lin.fp8.recipe, lin.fp8.amax_history_len, lin.fp8.amax_compute_algo,
+            lin.fp8.margin, lin.fp8.pow2_scale) == ("delayed", 1, "most_recent", 0, False)
+    assert not lin.weight_2d
+
+
+def test_fp8_recipes():
+    lin = quant(["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-margin", "1"]).linear
+    assert lin.dgrad == OperandFormats("fp8_e4m3", "fp8_e4m3")
+    assert lin.fp8.recipe == "tensorwise" and lin.fp8.margin == 1
+    lin = quant(["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]).linear
+    assert lin.fp8.recipe == "blockwise" and lin.fp8.pow2_scale and lin.weight_2d
+    lin = quant(["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--no-fp8-power-2-scales",
+                 "--no-quant-weight-2d"]).linear
+    assert not lin.fp8.pow2_scale and not lin.weight_2d
+    lin = quant(["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len",
+                 "16", "--fp8-amax-compute-algo", "max"]).linear
+    assert (lin.fp8.amax_history_len, lin.fp8.amax_compute_algo) == (16, "max")
+
+
+def test_fp8_mxfp8_recipe_is_the_mxfp8_path_with_tes_scale_rule():
+    q = quant(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"])
+    same = quant(["--quant-scheme", "linear_mxfp8", "--mx-grad-format", "e5m2",
+                  "--mx-scale-mode", "rceil"])
+    assert q.scheme == "linear_mxfp8" and q.linear == same.linear
+    assert q.linear.scale_mode == "rceil" and q.linear.dgrad.a == "mxfp8_e5m2"
+
+
+def test_fp8_attention_uses_current_scaling():
+    q = quant(["--quant-scheme", "FA_linear_fp8", "--fp8-recipe", "delayed"])
+    assert q.linear.fp8.recipe == "delayed" and q.attn_qk.fp8.recipe == "tensorwise"
+    assert any("current (tensorwise) scaling" in note for note in q.notes)
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--fp8-format", "e4m3", "--quant-scheme", "linear_mxfp4"],
+     "--quant-scheme linear_mxfp4 puts them in mxfp4"),
+    (["--fp8-format", "e4m3", "--quant-scheme", "FA_mxfp8"], "use --quant-scheme FA_linear_fp8"),
+    (["--fp8-recipe", "delayed"], "--fp8-recipe delayed needs --fp8-format"),
+    (["--fp8-format", "e4m3", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len 0"),
+    (["--fp8-format", "e4m3", "--recompute-activations"], "delayed FP8 scaling with --recompute"),
+])
+def test_fp8_mistakes_are_one_line(extra, expected):
+    assert expected in error(extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipe files
+# ---------------------------------------------------------------------------------------------
+
+RECIPE = """
+configs:
+  fp4:
+    format: nvfp4
+    weight_2d: true
+    stochastic_rounding: grad
+    wgrad: {format: nvfp4, rht: 16}
+  fp8:
+    format: fp8_e4m3
+    grad_format: fp8_e5m2
+    fp8_recipe: blockwise
+  hp: {format: none}
+matchers:
+  last: {config: hp, type: glob, pattern: "decoder.layers.7.*", enabled: true}
+  off: {config: fp8, type: glob, pattern: "*", enabled: false}
+  fc2: {config: fp8, type: glob, pattern: "*linear_fc2", enabled: true}
+  linear: {config: fp4, type: glob, pattern: "*linear_*", enabled: true}
+"""
+
+
+def write(tmp_path, text, name="recipe.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_recipe_file_resolves_per_module_path(tmp_path):
+    q = quant(["--quant-recipe-file", write(tmp_path, RECIPE)])
+    fp4 = q.rules.configs["fp4"]
+    assert fp4.fprop == fp4.dgrad == fp4.wgrad == OperandFormats("nvfp4", "nvfp4")
+    assert fp4.rht_gemms == ("wgrad",) and fp4.weight_2d and fp4.stochastic == {"dgrad.a", "wgrad.b"}
+    fp8 = q.rules.configs["fp8"]
+    assert fp8.dgrad == OperandFormats("fp8_e5m2", "fp8_e4m3") and fp8.fp8.recipe == "blockwise"
+    assert not q.for_site("linear", 8, "decoder.layers.7.mlp.linear_fc1").enabled
+    assert q.for_site("linear", 2, "decoder.layers.1.mlp.linear_fc2") == fp8
+    assert q.for_site("linear", 2, "decoder.layers.1.mlp.linear_fc1") == fp4
+    # Unmatched sites keep the scheme's config (bf16 here: high precision).
+    assert not q.for_site("attn_qk", 2, "decoder.layers.1.self_attention.core_attention.qk").enabled
+    json_path = write(tmp_path, json.dumps({"configs": {"a": {"format": "mxfp6_e3m2"}},
+                                            "matchers": {"m": {"config": "a", "type": "glob",
+                                                               "pattern": "*", "enabled": True}}}),
+                      "recipe.json")
+    assert quant(["--quant-recipe-file", json_path]).rules.configs["a"].fprop.a == "mxfp6_e3m2"
+
+
+def test_global_module_path_under_pipeline_parallelism():
+    assert global_module_path("decoder.layers.0.mlp.linear_fc1", 5) == \
+        "decoder.layers.4.mlp.linear_fc1"
+    assert global_module_path("module.decoder.layers.1.self_attention.core_attention.qk", 2) \
+        == "module.decoder.layers.1.self_attention.core_attention.qk"
+    assert global_module_path("output_layer", None) == "output_layer"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("configs: {a: {format: nvfp5}}\nmatchers: {m: {config: a, type: glob, pattern: '*', "
+     "enabled: true}}", "configs.a.format: unknown quantization format 'nvfp5'"),
+    ("configs: {a: {formatt: nvfp4}}\nmatchers: {m: {config: a, type: glob, pattern: '*', "
+     "enabled: true}}", "unknown key(s) formatt"),
+    ("configs: {a: {wgrad: {format: nvfp4, rht: 24}}}\nmatchers: {m: {config: a, type: glob, "
+     "pattern: '*', enabled: true}}", "configs.a.wgrad.rht: 24 is not one of 16, 32, 64, 128"),
+    ("configs: {a: {format: nvfp4}}\nmatchers: {m: {config: b, type: glob, pattern: '*', "
+     "enabled: true}}", "config 'b' is not defined under configs"),
+    ("configs: {a: {format: nvfp4}}\nmatchers: {m: {config: a, type: regex, pattern: '*', "
+     "enabled: true}}", "matcher m.type: 'regex' is not one of glob"),
+    ("configs: {a: {format: nvfp4}}\nmatchers: {m: {config: a, type: glob, pattern: '*'}}",
+     "every matcher is disabled"),
+    ("configs: {a: {format: nvfp4}}\nmatchers: {m: {config: a, pattern: '*', enabled: true}}",
+     "matcher m: missing 'type'"),
+    ("configs: {a: {stochastic_rounding: some}}\nmatchers: {m: {config: a, type: glob, "
+     "pattern: '*', enabled: true}}", "stochastic_rounding: 'some' is not one of none, grad, all"),
+    ("configs: {a: {format: nvfp4}}\nmatchers: {}", "no matchers"),
+    ("- a\n- b\n", "expected a mapping with 'configs' and 'matchers'"),
+    ("configs: {a: [1\n", "not valid YAML"),
+])
+def test_recipe_file_mistakes_are_one_line(tmp_path, text, expected):
+    assert expected in error(["--quant-recipe-file", write(tmp_path, text)])
+
+
+def test_recipe_file_contradicting_flags(tmp_path):
+    path = write(tmp_path, RECIPE)
+    assert "--quant-recipe nvfp4 and --quant-recipe-file" in error(
+        ["--quant-recipe", "nvfp4", "--quant-recipe-file", path])
+    assert "with --quant-wgrad" in error(["--quant-recipe-file", path, "--quant-wgrad", "none"])
+    assert "cannot read it" in error(["--quant-recipe-file", str(tmp_path / "missing.yaml")])
