@@ -131,7 +131,7 @@ def test_per_gemm_formats_override_the_scheme_at_quantized_sites():
                                   "wgrad": ("none", "none")}
     assert not cfg.attn_pv.enabled                        # kept in high precision: stays so
     text = cfg.describe(4)
-    assert "wgrad  grad_output: none" in text and "--quant-wgrad none" in text
+    assert "wgrad  input: none" in text and "--quant-wgrad none" in text
     # An MXFP8 dgrad/wgrad keeps the gradient element format for dY.
     cfg = build_quant_config("linear_mxfp4", 2, grad_format="e5m2",
                              gemm_formats={"fprop": "mxfp8", "dgrad": "mxfp8"})
