@@ -66,12 +66,13 @@ from megatron.quantization.formats.elements import (  # noqa: F401 (patched by t
     _NATIVE_FP8_CASTS, _round_to_grid_)
 from megatron.quantization.formats.fp8 import (
     FP8_SCALINGS, _check_fp8_options, _fp8_fake_quantize)
-from megatron.quantization.formats.hadamard import random_hadamard_transform
+from megatron.quantization.formats.hadamard import (
+    hadamard_sign_vector, random_hadamard_transform)
 from megatron.quantization.formats.hifp8 import (
     _hifp8_fake_quantize, hifp8_scale_exponent, hifp8_scaled_fake_quantize)
 from megatron.quantization.formats.mx import (
     _mx_fake_quantize, mx_block_scales, mx_shared_exponents)
-from megatron.quantization.formats.nvfp4 import _nvfp4_fake_quantize
+from megatron.quantization.formats.nvfp4 import _nvfp4_fake_quantize, nvfp4_scales
 from megatron.quantization.formats.rounding import ROUNDINGS, _check_rounding, uniform_noise
 
 __all__ = [
@@ -79,7 +80,8 @@ __all__ = [
     "NVFP4_BLOCK_SIZE", "NAN_EXPONENT", "MIN_SHARED_EXPONENT", "MAX_SHARED_EXPONENT",
     "HIFP8_MAX", "HIFP8_OVERFLOW", "HIFP8_DEFAULT_TARGET_EXPONENT", "FormatInfo",
     "canonical_format", "format_info", "fake_quantize", "mx_shared_exponents",
-    "mx_block_scales", "random_hadamard_transform", "hifp8_scaled_fake_quantize",
+    "mx_block_scales", "nvfp4_scales", "random_hadamard_transform", "hadamard_sign_vector",
+    "hifp8_scaled_fake_quantize",
     "hifp8_scale_exponent", "fake_quantize_compiled", "set_compile", "compile_enabled",
 ]
 

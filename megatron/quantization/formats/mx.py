@@ -12,6 +12,7 @@ from megatron.quantization.formats.common import (
     _bit_layout, _check_scale_mode, _check_tensor, _normalize_axis, _pad_axis, _to_compute,
     canonical_format)
 from megatron.quantization.formats.elements import _round_elements_
+from megatron.quantization.formats.rounding import stochastic_round_to_grid_
 
 def _blocks(work: torch.Tensor, axis: int):
     """(view of work as [..., nblocks, 32, ...], padded length) with blocks along `axis`."""
@@ -75,10 +76,19 @@ def _block_amax(blocks: torch.Tensor, dim: int, scratch: Optional[torch.Tensor] 
 
 def _mx_fake_quantize(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
                       noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """MX quantize-dequantize. bf16 inputs are computed in bf16 without upcasting: scaling by
-    a power of two, the element rounding (exact value -> element grid, once) and the final
-    product (exact value -> bf16, RNE, once) give bit for bit the float32 result cast to bf16.
+    """MX quantize-dequantize (round to nearest even, or stochastic rounding with `noise`).
+
+    Round to nearest: bf16 inputs are computed in bf16 without upcasting: scaling by a power of
+    two, the element rounding (exact value -> element grid, once) and the final product (exact
+    value -> bf16, RNE, once) give bit for bit the float32 result cast to bf16.
+
+    Stochastic rounding (noise: uniform [0, 1) float32 numbers of x's shape): the shared
+    exponents are those of round to nearest; each scaled element x * 2**-e, saturated to
+    +-max_normal, becomes one of its two grid neighbours with probabilities that make it
+    unbiased (design note section 6.3). Computed in float32 (float64 stays float64).
     """
+    if noise is not None:
+        return _mx_stochastic(x, fmt, axis, scale_mode, noise)
     info = _INFO[fmt]
     work, owned = _to_compute(x, native_bf16=True)
     blocks, pad = _blocks(work, axis)
@@ -97,7 +107,30 @@ def _mx_fake_quantize(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
     if factor != 1.0:
         scaled.mul_(factor)
     scaled.mul_(up)
-    out = scaled.flatten(axis, axis + 1)
+    return _unblock(scaled, x, axis, pad)
+
+
+def _mx_stochastic(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
+                   noise: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of the MX elements; scales exactly as for round to nearest.
+
+    float32 (or float64) throughout: the native fp8-cast and bf16 shortcuts of round to
+    nearest have no stochastic counterpart. A block holding NaN/Inf still becomes all NaN: its
+    2**e is NaN (the scaled Inf saturates first, so the grid rounding only sees finite values).
+    """
+    info = _INFO[fmt]
+    work, _ = _to_compute(x)
+    blocks, pad = _blocks(work, axis)
+    noise_blocks, _ = _blocks(noise, axis)
+    down, up = _block_scales(_block_amax(blocks, axis + 1), info, scale_mode)
+    scaled = torch.mul(blocks, down).clamp_(-info.max_normal, info.max_normal)
+    q = stochastic_round_to_grid_(scaled, noise_blocks, info.emin_elem, info.mantissa_bits)
+    return _unblock(q.mul_(up), x, axis, pad)
+
+
+def _unblock(blocks: torch.Tensor, x: torch.Tensor, axis: int, pad: int) -> torch.Tensor:
+    """[..., nblocks, 32, ...] back to x's shape (padding cropped) and dtype."""
+    out = blocks.flatten(axis, axis + 1)
     if pad:
         out = out.narrow(axis, 0, x.shape[axis])
     return out.to(x.dtype)
@@ -117,7 +150,7 @@ def mx_shared_exponents(x: torch.Tensor, fmt: str, axis: int = -1,
     info = _INFO[fmt]
     if info.kind != "mx":
         raise ValueError(f"{fmt!r} is not an MX format; MX formats: mxfp8, mxfp8_e4m3, "
-                         "mxfp8_e5m2, mxfp4")
+                         "mxfp8_e5m2, mxfp6_e2m3, mxfp6_e3m2, mxfp4")
     axis = _normalize_axis(axis, x.dim())
     work, _ = _to_compute(x, native_bf16=True)
     if work.shape[axis] == 0:

@@ -1,5 +1,206 @@
-"""NVFP4 (in progress)."""
+"""NVFP4: E2M1 elements in blocks of 16 with an E4M3 block scale and a float32 tensor scale.
+
+The numbers are those of TransformerEngine's NVFP4 kernels (design note section 6.1): every step
+is one float32 operation, rounded to nearest even, in this order:
+
+    1. amax  = max |x| over the tensor (or the caller's imposed amax)
+    2. s_enc = min(f32(2688 / amax), FLT_MAX); 1 when amax == 0          (2688 = 448 * 6)
+    3. s_dec = f32(1 / s_enc)
+    4. per block, with amax_b = max |x_i| over its 16 (or 16x16) elements:
+       S = f32(amax_b * f32(s_enc * f32(1/6)))  -- the float32 constant 1/6, never a division
+       s = E4M3(S): nearest even, E4M3 subnormals (k * 2**-9) kept, saturating at 448
+    5. enc_b = min(f32(1 / f32(s * s_dec)), FLT_MAX)                    (s == 0 -> FLT_MAX)
+    6. v = clamp(f32(x * enc_b), -6, 6); q = E2M1(v), nearest even (or stochastic)
+    7. y = f32(q * f32(f32(s * amax) * f32(1/2688)))
+
+The other conventions ("Ours" in the note): an all-zero tensor gives 0; a block whose scale
+rounds to 0 gives 0 (no clamp of the scale to 2**-6); subnormal E4M3 scales are used as they
+are; a length that is not a multiple of 16 is zero-padded, so the short tail is its own block;
+NaN or +-Inf anywhere in the tensor (or a non-finite imposed amax) makes every output NaN,
+because the tensor scale is then undefined.
+
+Dtypes: bf16 / fp16 inputs are upcast exactly to float32. The sequence above is defined in
+float32 (it is what the hardware computes), so float64 inputs are first rounded to float32
+(nearest even) and then follow the same sequence: for them NVFP4 is "NVFP4 of f32(x)". The result
+is cast back to x's dtype (exact for float64, nearest even for 16-bit dtypes).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.quantization.formats.common import (
+    NVFP4_BLOCK_SIZE, _check_tensor, _normalize_axis, _pad_axis)
+from megatron.quantization.formats.elements import _round_to_grid_
+from megatron.quantization.formats.rounding import stochastic_round_to_grid_
+
+FLT_MAX = float(torch.finfo(torch.float32).max)
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# Constants as float32 numbers, exactly as the kernels hold them.
+_TENSOR_SCALE_NUMERATOR = 2688.0                                       # 448 * 6, exact
+_ONE_SIXTH_F32 = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))   # 0.16666667163...
+_ONE_OVER_2688_F32 = float(torch.tensor(1.0 / 2688.0, dtype=torch.float32))
 
 
-def _nvfp4_fake_quantize(x, axis, block_2d, noise, amax):
-    raise NotImplementedError("nvfp4 is being implemented")
+# --------------------------------------------------------------------------------------------
+# Blocking
+# --------------------------------------------------------------------------------------------
+
+def _blocked(work: torch.Tensor, axis: int, block_2d: bool):
+    """(view of the zero-padded `work` with every block spread over its own dims, the dims to
+    reduce over for one block).
+
+    1-D blocks: axis -> (nblocks, 16), reduce over axis + 1. 16x16 tiles of a 2-D tensor:
+    [R, C] -> [R/16, 16, C/16, 16], reduce over (1, 3); the tiles do not depend on `axis`.
+    Zero padding never changes a block's amax (P14).
+    """
+    b = NVFP4_BLOCK_SIZE
+    axes = (0, 1) if block_2d else (axis,)
+    for a in axes:
+        pad = -work.shape[a] % b
+        if pad:
+            work = _pad_axis(work, a, pad)
+    if block_2d:
+        return work.unflatten(0, (-1, b)).unflatten(2, (-1, b)), (1, 3)
+    return work.unflatten(axis, (work.shape[axis] // b, b)), (axis + 1,)
+
+
+def _unblocked(blocks: torch.Tensor, x: torch.Tensor, axis: int, block_2d: bool):
+    """The inverse of _blocked: back to the padded layout, cropped to x's shape."""
+    if block_2d:
+        out = blocks.reshape(blocks.shape[0] * blocks.shape[1], blocks.shape[2] * blocks.shape[3])
+        axes = (0, 1)
+    else:
+        out = blocks.flatten(axis, axis + 1)
+        axes = (axis,)
+    for a in axes:
+        if out.shape[a] != x.shape[a]:
+            out = out.narrow(a, 0, x.shape[a])
+    return out
+
+
+def _block_amax(blocks: torch.Tensor, dims) -> torch.Tensor:
+    """max |x| per block (keepdim): NaN if the block holds a NaN, +Inf if it holds +-Inf.
+
+    max(max, -min) takes two reductions instead of a full-size |x| temporary; both propagate
+    NaN. An all-zero block can come out as max(0, -0) = -0 (the vectorised maximum does not
+    order the zeros), whose reciprocal would be -inf: abs_ makes it +0."""
+    return torch.maximum(blocks.amax(dims, keepdim=True),
+                         blocks.amin(dims, keepdim=True).neg_()).abs_()
+
+
+# --------------------------------------------------------------------------------------------
+# Scales (steps 1-5 and the dequantization factor of step 7)
+# --------------------------------------------------------------------------------------------
+
+def _round_e4m3_(s: torch.Tensor) -> torch.Tensor:
+    """E4M3 "fn" rounding in place of non-negative float32 values: nearest even on the E4M3
+    grid (normal exponents >= -6, subnormals k * 2**-9, 3 mantissa bits), saturating at 448.
+
+    This is `cvt.rn.satfinite.e4m3`. Values in (448, 464] round to 448 anyway; clamping after
+    the grid rounding also saturates what would round to 480 (the NaN code, P7) or beyond.
+    """
+    return _round_to_grid_(s, -6, 3).clamp_(max=E4M3_MAX)
+
+
+def _tensor_scales(amax: torch.Tensor):
+    """(s_enc, s_dec) from the float32 tensor amax (steps 2-3)."""
+    # A true float32 division (`2688 / tensor` would be reciprocal-then-multiply: two roundings).
+    s_enc = torch.full_like(amax, _TENSOR_SCALE_NUMERATOR).div_(amax).clamp_(max=FLT_MAX)
+    # amax == 0: 2688/0 = inf was clamped to FLT_MAX; TE uses 1. (s_enc == 0 happens only for
+    # amax = inf, which makes the whole output NaN anyway.)
+    s_enc = torch.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+    return s_enc, torch.reciprocal(s_enc)
+
+
+def _block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """The E4M3 block decode scales s (step 4), as float32 values."""
+    per_unit = s_enc * _ONE_SIXTH_F32            # f32(s_enc * f32(1/6))
+    return _round_e4m3_(block_amax * per_unit)   # f32(amax_b * ...), then E4M3
+
+
+def _scales(blocks: torch.Tensor, dims, amax: Optional[torch.Tensor]):
+    """(s, tensor amax, s_dec, finite) for float32 blocks: the E4M3 block scales, the amax the
+    tensor scale comes from (imposed or max |x|), the tensor decode scale, and a 0-d bool that
+    is False when x holds NaN/Inf or the imposed amax is not finite."""
+    block_amax = _block_amax(blocks, dims)
+    data_amax = block_amax.amax()        # max |x|: NaN if any NaN, else Inf if any Inf
+    finite = torch.isfinite(data_amax)
+    if amax is None:
+        amax = data_amax
+    else:
+        amax = amax.to(torch.float32)
+        finite = finite & torch.isfinite(amax)
+    s_enc, s_dec = _tensor_scales(amax)
+    return _block_scales(block_amax, s_enc), amax, s_dec, finite
+
+
+# --------------------------------------------------------------------------------------------
+# Quantize-dequantize
+# --------------------------------------------------------------------------------------------
+
+def _nvfp4_fake_quantize(x: torch.Tensor, axis: int, block_2d: bool,
+                         noise: Optional[torch.Tensor],
+                         amax: Optional[torch.Tensor]) -> torch.Tensor:
+    """NVFP4 quantize-dequantize of a validated float tensor (see the module docstring).
+
+    axis: the block axis (non-negative; ignored for block_2d, whose 16x16 tiles make the result
+    independent of it). noise: None (round to nearest even) or uniform [0, 1) float32 numbers of
+    x's shape for stochastic rounding of the E2M1 elements; the scales are the same as for round
+    to nearest (section 6.3). amax: None or a 0-d float32 tensor used as the tensor amax in
+    steps 1-2 and 7 (a piece of a larger operand).
+    """
+    work = x.to(torch.float32)           # exact for 16-bit inputs; float64 rounds once here
+    blocks, dims = _blocked(work, axis, block_2d)
+    s, amax, s_dec, finite = _scales(blocks, dims, amax)
+    enc = torch.reciprocal(s * s_dec).clamp_(max=FLT_MAX)                  # step 5
+    # Step 7's factor; NaN everywhere when the tensor scale is undefined.
+    dec = (s * amax).mul_(_ONE_OVER_2688_F32)
+    dec = torch.where(finite, dec, torch.nan)
+
+    v = blocks * enc                                                        # step 6
+    v.clamp_(-E2M1_MAX, E2M1_MAX)
+    if noise is None:
+        _round_to_grid_(v, 0, 1)                                            # E2M1, RNE
+    else:
+        noise_blocks, _ = _blocked(noise, axis, block_2d)
+        v = stochastic_round_to_grid_(v, noise_blocks, 0, 1)   # returns a new tensor
+    v.mul_(dec)
+    return _unblocked(v, x, axis, block_2d).to(x.dtype)
+
+
+def nvfp4_scales(x: torch.Tensor, axis: int = -1, block_2d: bool = False,
+                 amax=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(block scales, tensor amax) of NVFP4 as fake_quantize computes them.
+
+    block scales: the E4M3 decode scales s of step 4 as float32 values (0 for blocks that
+    quantize to zero, k * 2**-9 for subnormal ones, at most 448), with x's shape and `axis`
+    replaced by the number of blocks ceil(n / 16); for block_2d (2-D x) the shape is
+    [ceil(rows / 16), ceil(cols / 16)]. A block's elements decode as q * s * amax / 2688.
+    tensor amax: the float32 0-d amax the tensor scale comes from (`amax` if given, else
+    max |x|; NaN or Inf when x holds NaN or Inf). When x holds NaN/Inf, or the imposed amax
+    is not finite, every block scale is NaN (every output of fake_quantize is NaN then).
+    """
+    _check_tensor(x)
+    if block_2d and x.dim() != 2:
+        raise ValueError(f"block_2d needs a 2-D tensor (a weight), got shape {tuple(x.shape)}")
+    axis = _normalize_axis(axis, x.dim())
+    if amax is not None:
+        amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+        if amax.dim() != 0:
+            raise ValueError(f"amax must be a scalar, got shape {tuple(amax.shape)}")
+    with torch.no_grad():
+        work = x.to(torch.float32)
+        if work.numel() == 0:
+            nb = lambda n: -(-n // NVFP4_BLOCK_SIZE)  # noqa: E731
+            shape = ([nb(n) for n in work.shape] if block_2d else
+                     [nb(n) if d == axis else n for d, n in enumerate(work.shape)])
+            empty_amax = amax if amax is not None else torch.zeros((), device=x.device)
+            return work.new_zeros(shape), empty_amax
+        blocks, dims = _blocked(work, axis, block_2d)
+        s, tensor_amax, _, finite = _scales(blocks, dims, amax)
+        s = torch.where(finite, s, torch.nan)
+        return s.squeeze(dims), tensor_amax
