@@ -93,6 +93,22 @@ def test_hifp8_tensor_scaling_per_chunk_would_differ(world_size_one, monkeypatch
         _compare(module, _spread_inputs(torch.float32), None, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("qk,pv", [("nvfp4", "nvfp4"), ("fp8", "fp8"), ("nvfp4", "none"),
+                                   ("none", "fp8")])
+def test_chunked_equals_unfused_with_tensor_scaled_formats(world_size_one, qk, pv):
+    """NVFP4's float32 tensor scale and FP8's per-tensor (current) scale of an operand cut into
+    chunks come from the whole operand's amax, as in the unfused path."""
+    module = _module(world_size_one, qk, pv, chunk_rows=64)
+    _compare(module, _spread_inputs(torch.float32), None, rtol=1e-4, atol=1e-5)
+
+
+def test_nvfp4_tensor_scale_per_chunk_would_differ(world_size_one, monkeypatch):
+    module = _module(world_size_one, "nvfp4", "nvfp4", chunk_rows=64)
+    monkeypatch.setattr(attention_module, "_needs_whole_scale", lambda config, keys: False)
+    with pytest.raises(AssertionError):
+        _compare(module, _spread_inputs(torch.float32), None, rtol=1e-4, atol=1e-5)
+
+
 def test_chunked_equals_unfused_bf16(world_size_one):
     module = _module(world_size_one, "mxfp8", "mxfp8", chunk_rows=32)
     inputs = _inputs(40, 2, 4, 2, 32, torch.bfloat16)

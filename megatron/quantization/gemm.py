@@ -214,6 +214,12 @@ class MatmulQuantConfig:
         """True when operands in `fmt` take their scale from an amax history."""
         return fmt.startswith("fp8_") and self.fp8.recipe == "delayed"
 
+    def weight_tiles(self, fmt: str) -> bool:
+        """True when weights in `fmt` are quantized in 2-D tiles (NVFP4 16x16, FP8 blockwise
+        128x128); other formats have no 2-D variant."""
+        return self.weight_2d and (fmt == "nvfp4" or (fmt.startswith("fp8_")
+                                                      and self.fp8.recipe == "blockwise"))
+
     def stochastic_slot(self, gemm: str, side: str, fmt: str) -> bool:
         """True when the operand in slot gemm.side is stochastically rounded."""
         return (f"{gemm}.{side}" in self.stochastic and fmt != "none"
@@ -245,12 +251,13 @@ def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantC
     options = {}
     if seed is not None:
         options.update(rounding="stochastic", generator=randomness.generator(seed, hp.device))
+    tiled = weight and config.weight_tiles(fmt) and hp.dim() == 2
     if kind == "nvfp4":
-        options.update(block_2d=weight and config.weight_2d and hp.dim() == 2, amax=amax)
+        options.update(block_2d=tiled, amax=amax)
     elif kind == "fp8":
         fp8 = config.fp8
         if fp8.recipe == "blockwise":
-            tile = (128, 128) if weight and config.weight_2d and hp.dim() == 2 else (1, 128)
+            tile = (128, 128) if tiled else (1, 128)
             options.update(scaling="block", block=tile, pow2_scale=fp8.pow2_scale)
         else:
             options.update(scaling="tensor", amax=amax, margin=fp8.margin,
@@ -291,7 +298,7 @@ def _operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None, sta
             extra["scale_exponent" if fmt == "hifp8" else "amax"] = imposed
         if config.stochastic_slot(gemm, side, fmt):
             extra["seed"] = randomness.draw_seed(state.path if state else "", gemm, name)
-        if weight and config.weight_2d:
+        if weight and config.weight_tiles(fmt):
             extra["weight"] = True
         q = quantize_operand(hp, fmt, axis, config, **extra)
     if observer is not None:

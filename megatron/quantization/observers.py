@@ -2,7 +2,8 @@
 
 Every quantized layer is a GEMM *site* (a `GemmSite`: module name, kind, layer number, config).
 When at least one observer is registered, each GEMM a site runs reports its operands and result
-as `observer(site, gemm, operand, hp, q, fmt, axis)` (see gemm.py for the operand names); when
+as `observer(site, gemm, operand, hp, q, fmt, axis, **extra)` (see gemm.py for the operand
+names and the extra keywords); when
 none is registered the layers take their fast path and pay nothing.
 
 Observers see whole GEMM operands, except those that declare `accepts_pieces` (see
@@ -54,7 +55,7 @@ def unregister_observer(observer: Observer) -> None:
 def _bind(observer: Observer, site: GemmSite):
     if hasattr(observer, "bind"):
         return observer.bind(site)
-    return lambda *report: observer(site, *report)
+    return lambda *report, **extra: observer(site, *report, **extra)
 
 
 def observer_for(site: GemmSite):
@@ -77,8 +78,10 @@ def observer_for(site: GemmSite):
 
 def accepts_pieces(observer) -> bool:
     """Whether `observer` (a bound observer) may be shown an operand piece by piece (chunked
-    attention, each piece once) instead of whole. Those that do receive `scale_exponent=k`
-    with a piece of a tensor-scaled operand: the per-tensor scale of the whole operand."""
+    attention, each piece once) instead of whole. Every observer receives, as keywords, what
+    besides (fmt, axis, config) determined a quantized operand (gemm.py's _operand:
+    scale_exponent, amax, seed, weight); with a piece of a tensor-scaled operand that is the
+    scale of the whole operand."""
     return bool(getattr(observer, "accepts_pieces", False))
 
 
@@ -94,7 +97,7 @@ class QuantizationCounter:
         self.high_precision = Counter()
         self.sites_run = {}
 
-    def __call__(self, site: GemmSite, gemm, operand, hp, q, fmt, axis):
+    def __call__(self, site: GemmSite, gemm, operand, hp, q, fmt, axis, **extra):
         self.sites_run.setdefault(site.kind, set()).add(site.name)
         if q is not None:
             self.quantized[(site.kind, gemm, operand, fmt)] += 1

@@ -226,7 +226,7 @@ def config_details(cfg: MatmulQuantConfig) -> str:
         if fp8.pow2_scale:
             text += ", power-of-two scales"
         details.append(text)
-    if cfg.weight_2d and formats & {"nvfp4", "fp8_e4m3", "fp8_e5m2"}:
+    if any(cfg.weight_tiles(f) for f in formats):
         details.append("weights in 2-D tiles")
     if cfg.rht_gemms:
         details.append(f"RHT {cfg.rht_block} on {'/'.join(cfg.rht_gemms)} (seed {cfg.rht_seed})")
@@ -392,6 +392,10 @@ def build_quant_config(scheme: str, num_layers: int, linear_quant: Optional[str]
                            fp8_format=fp8_format, **settings)
 
     linear = make(linear_fmt)
+    formats = {getattr(getattr(linear, g), side) for g in GEMMS for side in ("a", "b")}
+    if r.weight_2d and not any(linear.weight_tiles(f) for f in formats):
+        notes.append("--quant-weight-2d changes nothing here: only NVFP4 and blockwise FP8 "
+                     "weights have 2-D tiles")
     bf16_at = r.bf16_layers
     if r.recipe:
         linear, recipe_bf16 = _named_recipe(r.recipe, num_layers, r.seed)
