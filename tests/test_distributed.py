@@ -54,6 +54,22 @@ def test_two_ranks_match_single_process(reference_losses, extra):
         assert loss == pytest.approx(reference_losses[it], rel=2e-5), it
 
 
+def test_tp2_delayed_fp8_scaling_matches_single_process():
+    """Delayed scaling reduces each operand's amax over the tensor-parallel ranks (as TE does),
+    so the shards of a weight or gradient share the whole tensor's scale: TP=2 quantizes as one
+    process. The losses agree to summation order for the first iterations (without the
+    reduction iteration 1 already differs by 4e-5); later, summation-order differences flip
+    a few FP8 roundings, which training amplifies (6e-5 at iteration 4)."""
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "2",
+           "--fp8-amax-compute-algo", "max"]
+    reference = pretrain(pretrain_gpt.forward_step, ARGS + fp8).losses
+    losses, out = torchrun(2, ARGS + fp8 + ["--tensor-model-parallel-size", "2"])
+    assert "FP8 delayed (amax history 2, max)" in out
+    assert sorted(losses) == [1, 2, 3, 4]
+    for it, loss in losses.items():
+        assert loss == pytest.approx(reference[it], rel=2e-5 if it <= 2 else 1e-3), it
+
+
 def test_pipeline_parallel_trains():
     losses, out = torchrun(2, ARGS + ["--pipeline-model-parallel-size", "2", "--train-iters", "6"])
     assert sorted(losses) == list(range(1, 7))
