@@ -88,6 +88,39 @@ def test_resume_with_delayed_scaling_is_bit_exact(tmp_path, capsys):
     assert tensorwise.losses[4] != straight.losses[4]
 
 
+class _Amaxes(TrainingCallback):
+    """The amax each delayed-scaled operand's scale came from, in call order, per operand."""
+
+    def __init__(self):
+        self.used = {}
+
+    def __call__(self, site, gemm, operand, hp, q, fmt, axis, **extra):
+        if "amax" in extra:
+            self.used.setdefault((site.name, gemm, operand), []).append(
+                (float(extra["amax"]), float(hp.detach().abs().max())))
+
+    def on_train_start(self, model_chunks, iteration):
+        register_observer(self)
+
+    def on_train_end(self, exit_reason):
+        unregister_observer(self)
+
+
+def test_delayed_scaling_starts_at_the_initial_scale_then_follows_the_history():
+    amaxes = _Amaxes()
+    train(["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--bf16"], iters=2,
+          callbacks=[amaxes])
+    assert amaxes.used and all(site.startswith("decoder.layers") for site, *_ in amaxes.used)
+    for key, steps in amaxes.used.items():
+        # 2 iterations x 2 micro-batches, each a step, plus the final validation's forwards.
+        assert len(steps) >= 4, key
+        assert steps[0][0] == 0.0, key               # empty history: TE's initial scale 1.0
+        for (used, _), (_, previous) in zip(steps[1:], steps[:-1]):
+            # --fp8-amax-history-len 1, most_recent: the amax of the step before (reduced
+            # over no other rank here).
+            assert used == previous, key
+
+
 def test_fp8_mxfp8_recipe_trains_exactly_as_the_mxfp8_scheme():
     a = train(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--bf16"], iters=3)
     b = train(["--quant-scheme", "linear_mxfp8", "--mx-grad-format", "e5m2", "--mx-scale-mode",
