@@ -3,8 +3,20 @@
 Measures, side by side on the same tensors (float32 and bf16), the median time of
 fake_quantize for every format (eager and, with --compile, torch.compile'd) next to
 `x.clone()` (one fresh allocation plus a copy: what any out-of-place op pays at least),
-`y.copy_(x)` into a preallocated tensor (pure bandwidth) and, when torchao is importable,
-torchao's MX `to_mx` + `to_dtype` quantize-dequantize (FLOOR scaling). Ratios are to clone().
+`y.copy_(x)` into a preallocated tensor (pure bandwidth) and, when torchao is importable, its
+quantize-dequantize for the same format where it has one:
+
+    MXFP8 / MXFP4 / MXFP6    to_mx + to_dtype (FLOOR scaling)
+    NVFP4                    NVFP4Tensor.to_nvfp4 (per-tensor scale from the amax) + dequantize
+    FP8 tensorwise           torchao.float8 hp_tensor_to_float8_dynamic + to_original_precision
+    FP8 blockwise 1x128      torch_blockwise_scale_act_quant_lhs (the pure-torch formula of
+                             prototype/blockwise_fp8_training, loaded from its source because
+                             that module imports triton) + q * scale_inv
+
+Ratios are to clone(); "ao/eager" is torchao's time over ours. Formats: MXFP8 (E4M3, E5M2),
+MXFP4, HiFP8, NVFP4, MXFP6 (E2M3, E3M2), FP8 E4M3 with per-tensor current scaling and with
+1x128 blockwise scaling. A format whose fake_quantize (or a torchao equivalent) raises on a
+small probe is skipped with a line "not available: <reason>".
 
 Each candidate is timed in short back-to-back runs (so it sees its own allocator state, as
 in a loop of training steps), and the runs of all candidates of one dtype are interleaved
@@ -12,7 +24,8 @@ over several passes, so that load from other processes spreads evenly over them;
 over all timed calls is reported.
 
 Targets: MXFP8 within 4x of clone and at least 2x faster than torchao; MXFP4 and HiFP8 within
-8x of clone.
+8x of clone. NVFP4, MXFP6 and FP8 have no hard target: their ratios to clone and to torchao
+are stated as measured.
 
 Allocator state matters on CPU: with glibc's defaults a fresh 64 MiB tensor usually comes from
 a new mmap and pays a page fault per 4 KiB page, so clone() (and every out-of-place op) costs
@@ -27,7 +40,9 @@ costs about as much as copy_().
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
+import importlib.util
 import os
 import statistics
 import sys
@@ -39,27 +54,121 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.quantization.formats import fake_quantize, fake_quantize_compiled  # noqa: E402
 
-FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "hifp8")
+# label: (format, fake_quantize options)
+CASES = {
+    "mxfp8_e4m3": ("mxfp8_e4m3", {}),
+    "mxfp8_e5m2": ("mxfp8_e5m2", {}),
+    "mxfp4": ("mxfp4", {}),
+    "hifp8": ("hifp8", {}),
+    "nvfp4": ("nvfp4", {}),
+    "mxfp6_e2m3": ("mxfp6_e2m3", {}),
+    "mxfp6_e3m2": ("mxfp6_e3m2", {}),
+    "fp8_e4m3": ("fp8_e4m3", {"scaling": "tensor"}),
+    "fp8_e4m3_1x128": ("fp8_e4m3", {"scaling": "block", "block": (1, 128)}),
+}
+FORMATS = tuple(CASES)
 TARGETS = {"mxfp8_e4m3": 4.0, "mxfp8_e5m2": 4.0, "mxfp4": 8.0, "hifp8": 8.0}
 TORCHAO_SPEEDUP_TARGET = 2.0       # MXFP8 must be at least this much faster than torchao
-TORCHAO_DTYPES = {"mxfp8_e4m3": "float8_e4m3fn", "mxfp8_e5m2": "float8_e5m2",
-                  "mxfp4": "float4_e2m1fn_x2"}
+TORCHAO_MX_DTYPES = {"mxfp8_e4m3": "float8_e4m3fn", "mxfp8_e5m2": "float8_e5m2",
+                     "mxfp4": "float4_e2m1fn_x2", "mxfp6_e2m3": "fp6_e2m3",
+                     "mxfp6_e3m2": "fp6_e3m2"}
 
 
-def torchao_qdq():
-    """A torchao MX quantize-dequantize callable, or None when torchao is not importable."""
-    try:
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
-    except Exception:  # torchao is optional
-        return None
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
-    def qdq(x, fmt):
-        elem = getattr(torch, TORCHAO_DTYPES[fmt])
-        scale, data = to_mx(x, elem, 32, ScaleCalculationMode.FLOOR)
-        return to_dtype(data, scale, elem, 32, x.dtype)
 
-    return qdq
+def _torchao_mx():
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
+    def make(label):
+        name = TORCHAO_MX_DTYPES[label]
+        elem = getattr(torch, name) if hasattr(torch, name) else name   # fp6: a string
+
+        def qdq(x):
+            scale, data = to_mx(x, elem, 32, ScaleCalculationMode.FLOOR)
+            return to_dtype(data, scale, elem, 32, x.dtype)
+
+        return qdq
+
+    return {label: make(label) for label in TORCHAO_MX_DTYPES}
+
+
+def _torchao_nvfp4():
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    def qdq(x):
+        scale = per_tensor_amax_to_scale(x.abs().max())
+        return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=scale).dequantize(x.dtype)
+
+    return {"nvfp4": qdq}
+
+
+def _torchao_fp8_tensorwise():
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    def qdq(x):
+        return hp_tensor_to_float8_dynamic(x, torch.float8_e4m3fn,
+                                           LinearMMConfig()).to_original_precision()
+
+    return {"fp8_e4m3": qdq}
+
+
+def _torchao_fp8_1x128():
+    """torchao's pure-torch 1x128 quantizer, compiled from the source of its module (which
+    imports triton at the top; the function itself uses torch only)."""
+    from torchao.float8.config import e4m3_dtype
+
+    spec = importlib.util.find_spec("torchao.prototype.blockwise_fp8_training")
+    path = os.path.join(os.path.dirname(spec.origin), "kernels.py")
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    nodes = [n for n in tree.body
+             if (isinstance(n, ast.FunctionDef) and n.name == "torch_blockwise_scale_act_quant_lhs")
+             or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "EPS"
+                                                    for t in n.targets))]
+    namespace = {"torch": torch, "e4m3_dtype": e4m3_dtype}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), path, "exec"), namespace)
+    quantize = namespace["torch_blockwise_scale_act_quant_lhs"]
+
+    def qdq(x):
+        q, scale_inv = quantize(x)
+        rows, cols = x.shape
+        out = q.float().view(rows, cols // 128, 128) * scale_inv.view(rows, cols // 128, 1)
+        return out.view(rows, cols).to(x.dtype)
+
+    return {"fp8_e4m3_1x128": qdq}
+
+
+def torchao_candidates() -> dict:
+    """{label: torchao quantize-dequantize callable} for the families torchao can run here;
+    a family that fails to import is reported and left out (torchao is optional)."""
+    found = {}
+    for family, build in (("MX", _torchao_mx), ("NVFP4", _torchao_nvfp4),
+                          ("float8 tensorwise", _torchao_fp8_tensorwise),
+                          ("float8 blockwise", _torchao_fp8_1x128)):
+        try:
+            found.update(build())
+        except Exception as exc:  # torchao is optional
+            print(f"torchao {family}: not available: {_reason(exc)}")
+    return found
+
+
+def available(probe: torch.Tensor, candidates: dict, prefix: str = "") -> dict:
+    """The candidates that run on the probe tensor; the others are reported and dropped (a
+    format whose implementation is not there yet, a shape torchao does not take)."""
+    ok = {}
+    for label, fn in candidates.items():
+        try:
+            fn(probe)
+        except Exception as exc:
+            print(f"{prefix}{label}: not available: {_reason(exc)}")
+            continue
+        ok[label] = fn
+    return ok
 
 
 def interleaved_ms(candidates: dict, repeats: int, passes: int = 3) -> dict:
@@ -80,42 +189,52 @@ def interleaved_ms(candidates: dict, repeats: int, passes: int = 3) -> dict:
 
 def run(size: int, repeats: int, compile_too: bool) -> list:
     torch.manual_seed(0)
-    ao = torchao_qdq()
+    ao_all = torchao_candidates()
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
         x = torch.randn(size, size, dtype=dtype)
         y = torch.empty_like(x)
+        print(f"\n{name} [{size} x {size}]")
+        ours = available(x, {label: (lambda t, f=f, o=o: fake_quantize(t, f, **o))
+                             for label, (f, o) in CASES.items()})
+        ao = available(x, {label: fn for label, fn in ao_all.items() if label in ours},
+                       prefix="torchao ")
         candidates = {"clone": lambda: x.clone(), "copy_": lambda: y.copy_(x)}
-        for fmt in FORMATS:
-            candidates[f"eager {fmt}"] = lambda fmt=fmt: fake_quantize(x, fmt)
+        for label in ours:
+            fmt, options = CASES[label]
+            candidates[f"eager {label}"] = lambda f=fmt, o=options: fake_quantize(x, f, **o)
             if compile_too:
-                candidates[f"compiled {fmt}"] = lambda fmt=fmt: fake_quantize_compiled(x, fmt)
-            if ao and fmt in TORCHAO_DTYPES:
-                candidates[f"torchao {fmt}"] = lambda fmt=fmt: ao(x, fmt)
+                candidates[f"compiled {label}"] = \
+                    lambda f=fmt, o=options: fake_quantize_compiled(x, f, **o)
+            if label in ao:
+                candidates[f"torchao {label}"] = lambda fn=ao[label]: fn(x)
         ms = interleaved_ms(candidates, repeats)
         clone = ms["clone"]
-        name = str(dtype).replace("torch.", "")
-        print(f"\n{name} [{size} x {size}]   clone {clone:8.2f} ms   copy_ {ms['copy_']:8.2f} ms")
-        print(f"  {'format':<11} {'eager ms':>9} {'x clone':>8} {'target':>7}"
+        print(f"  clone {clone:8.2f} ms   copy_ {ms['copy_']:8.2f} ms")
+        print(f"  {'format':<15} {'eager ms':>9} {'x clone':>8} {'target':>7}"
               + (f" {'compiled':>9} {'x clone':>8}" if compile_too else "")
-              + (f" {'torchao':>9} {'ao/eager':>9}" if ao else ""))
-        for fmt in FORMATS:
-            eager = ms[f"eager {fmt}"]
-            row = {"dtype": name, "format": fmt, "clone": clone, "copy": ms["copy_"],
+              + (f" {'torchao':>9} {'ao/eager':>9}" if ao_all else ""))
+        for label in ours:
+            eager = ms[f"eager {label}"]
+            row = {"dtype": name, "format": label, "clone": clone, "copy": ms["copy_"],
                    "eager": eager}
-            line = f"  {fmt:<11} {eager:9.2f} {eager / clone:7.2f}x {TARGETS[fmt]:6.0f}x"
+            target = TARGETS.get(label)
+            line = f"  {label:<15} {eager:9.2f} {eager / clone:7.2f}x " + (
+                f"{target:6.0f}x" if target else f"{'-':>7}")
             if compile_too:
-                row["compiled"] = ms[f"compiled {fmt}"]
+                row["compiled"] = ms[f"compiled {label}"]
                 line += f" {row['compiled']:9.2f} {row['compiled'] / clone:7.2f}x"
-            if f"torchao {fmt}" in ms:
-                row["torchao"] = ms[f"torchao {fmt}"]
+            if f"torchao {label}" in ms:
+                row["torchao"] = ms[f"torchao {label}"]
                 line += f" {row['torchao']:9.2f} {row['torchao'] / eager:8.2f}x"
-            elif ao:
+            elif ao_all:
                 line += f" {'-':>9} {'-':>9}"
-            met = eager <= TARGETS[fmt] * clone
-            if fmt.startswith("mxfp8") and "torchao" in row:
-                met = met and row["torchao"] >= TORCHAO_SPEEDUP_TARGET * eager
-            line += "   target met" if met else "   TARGET MISSED"
+            if target:
+                met = eager <= target * clone
+                if label.startswith("mxfp8") and "torchao" in row:
+                    met = met and row["torchao"] >= TORCHAO_SPEEDUP_TARGET * eager
+                line += "   target met" if met else "   TARGET MISSED"
             print(line)
             rows.append(row)
     return rows

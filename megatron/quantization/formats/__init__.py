@@ -65,7 +65,7 @@ from megatron.quantization.formats.common import (  # noqa: F401 (public and pac
 from megatron.quantization.formats.elements import (  # noqa: F401 (patched by tests)
     _NATIVE_FP8_CASTS, _round_to_grid_)
 from megatron.quantization.formats.fp8 import (
-    FP8_SCALINGS, _check_fp8_options, _fp8_fake_quantize)
+    FP8_BLOCKS, FP8_SCALINGS, _check_fp8_options, _fp8_fake_quantize, fp8_amax, fp8_scales)
 from megatron.quantization.formats.hadamard import (
     hadamard_sign_vector, random_hadamard_transform)
 from megatron.quantization.formats.hifp8 import (
@@ -80,7 +80,7 @@ __all__ = [
     "NVFP4_BLOCK_SIZE", "NAN_EXPONENT", "MIN_SHARED_EXPONENT", "MAX_SHARED_EXPONENT",
     "HIFP8_MAX", "HIFP8_OVERFLOW", "HIFP8_DEFAULT_TARGET_EXPONENT", "FormatInfo",
     "canonical_format", "format_info", "fake_quantize", "mx_shared_exponents",
-    "mx_block_scales", "nvfp4_scales", "random_hadamard_transform", "hadamard_sign_vector",
+    "mx_block_scales", "nvfp4_scales", "fp8_scales", "fp8_amax", "FP8_BLOCKS", "random_hadamard_transform", "hadamard_sign_vector",
     "hifp8_scaled_fake_quantize",
     "hifp8_scale_exponent", "fake_quantize_compiled", "set_compile", "compile_enabled",
 ]
@@ -219,7 +219,7 @@ def _fake_quantize(x, fmt, axis, scale_mode, saturate, block_2d, rounding, gener
                                                           and scaling == "tensor")):
         raise ValueError(f"amax applies to nvfp4 and to fp8 with scaling='tensor', not "
                          f"{fmt!r}" + (f" with scaling={scaling!r}" if scaling else ""))
-    if info.kind in ("mx", "nvfp4", "fp8"):
+    if info.kind in ("mx", "nvfp4") or (info.kind == "fp8" and scaling == "block"):
         axis = _normalize_axis(axis, x.dim())
     else:
         axis = -1

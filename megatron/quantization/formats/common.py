@@ -143,7 +143,7 @@ def _normalize_axis(axis: int, ndim: int) -> int:
         raise ValueError(f"axis {axis} is out of range for a tensor with ndim {ndim} "
                          f"(valid: {-ndim}..{ndim - 1})" if ndim else
                          f"axis {axis} is out of range for a tensor with ndim 0 "
-                         "(MX block quantization needs at least one dimension)")
+                         "(block quantization needs at least one dimension)")
     return axis % ndim
 
 
@@ -204,6 +204,15 @@ def _pad_axis(x: torch.Tensor, axis: int, pad: int) -> torch.Tensor:
     """Zero-pad `x` at the end of `axis` (zeros never change a block's amax, P14)."""
     spec = [0, 0] * (x.dim() - 1 - axis) + [0, pad]
     return F.pad(x, spec)
+
+
+def _block_view(t: torch.Tensor, axis: int, size: int):
+    """(t zero-padded along `axis` to a multiple of `size`, viewed as [..., nblocks, size, ...];
+    the padded length). The short tail becomes a block of its own (P14)."""
+    pad = -t.shape[axis] % size
+    if pad:
+        t = _pad_axis(t, axis, pad)
+    return t.unflatten(axis, (t.shape[axis] // size, size)), pad
 
 
 def _device_table(tables: dict, key, device: torch.device) -> torch.Tensor:

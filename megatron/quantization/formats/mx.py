@@ -9,19 +9,14 @@ import torch
 
 from megatron.quantization.formats.common import (
     _INFO, MAX_SHARED_EXPONENT, MIN_SHARED_EXPONENT, MX_BLOCK_SIZE, NAN_EXPONENT, FormatInfo,
-    _bit_layout, _check_scale_mode, _check_tensor, _normalize_axis, _pad_axis, _to_compute,
+    _bit_layout, _check_scale_mode, _check_tensor, _normalize_axis, _block_view, _to_compute,
     canonical_format)
 from megatron.quantization.formats.elements import _round_elements_
-from megatron.quantization.formats.rounding import stochastic_round_to_grid_
+from megatron.quantization.formats.rounding import stochastic_round_to_grid
 
 def _blocks(work: torch.Tensor, axis: int):
     """(view of work as [..., nblocks, 32, ...], padded length) with blocks along `axis`."""
-    n = work.shape[axis]
-    nblocks = -(-n // MX_BLOCK_SIZE)
-    pad = nblocks * MX_BLOCK_SIZE - n
-    if pad:
-        work = _pad_axis(work, axis, pad)
-    return work.unflatten(axis, (nblocks, MX_BLOCK_SIZE)), pad
+    return _block_view(work, axis, MX_BLOCK_SIZE)
 
 
 def _block_scales(amax: torch.Tensor, info: FormatInfo, scale_mode: str):
@@ -124,7 +119,7 @@ def _mx_stochastic(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
     noise_blocks, _ = _blocks(noise, axis)
     down, up = _block_scales(_block_amax(blocks, axis + 1), info, scale_mode)
     scaled = torch.mul(blocks, down).clamp_(-info.max_normal, info.max_normal)
-    q = stochastic_round_to_grid_(scaled, noise_blocks, info.emin_elem, info.mantissa_bits)
+    q = stochastic_round_to_grid(scaled, noise_blocks, info.emin_elem, info.mantissa_bits)
     return _unblock(q.mul_(up), x, axis, pad)
 
 

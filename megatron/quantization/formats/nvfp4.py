@@ -32,9 +32,9 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.quantization.formats.common import (
-    NVFP4_BLOCK_SIZE, _check_tensor, _normalize_axis, _pad_axis)
+    NVFP4_BLOCK_SIZE, _block_view, _check_tensor, _normalize_axis)
 from megatron.quantization.formats.elements import _round_to_grid_
-from megatron.quantization.formats.rounding import stochastic_round_to_grid_
+from megatron.quantization.formats.rounding import stochastic_round_to_grid
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 E4M3_MAX = 448.0
@@ -58,14 +58,10 @@ def _blocked(work: torch.Tensor, axis: int, block_2d: bool):
     Zero padding never changes a block's amax (P14).
     """
     b = NVFP4_BLOCK_SIZE
-    axes = (0, 1) if block_2d else (axis,)
-    for a in axes:
-        pad = -work.shape[a] % b
-        if pad:
-            work = _pad_axis(work, a, pad)
     if block_2d:
-        return work.unflatten(0, (-1, b)).unflatten(2, (-1, b)), (1, 3)
-    return work.unflatten(axis, (work.shape[axis] // b, b)), (axis + 1,)
+        rows, _ = _block_view(work, 0, b)             # [R/16, 16, C]
+        return _block_view(rows, 2, b)[0], (1, 3)     # [R/16, 16, C/16, 16]
+    return _block_view(work, axis, b)[0], (axis + 1,)
 
 
 def _unblocked(blocks: torch.Tensor, x: torch.Tensor, axis: int, block_2d: bool):
@@ -167,7 +163,7 @@ def _nvfp4_fake_quantize(x: torch.Tensor, axis: int, block_2d: bool,
         _round_to_grid_(v, 0, 1)                                            # E2M1, RNE
     else:
         noise_blocks, _ = _blocked(noise, axis, block_2d)
-        v = stochastic_round_to_grid_(v, noise_blocks, 0, 1)   # returns a new tensor
+        v = stochastic_round_to_grid(v, noise_blocks, 0, 1)
     v.mul_(dec)
     return _unblocked(v, x, axis, block_2d).to(x.dtype)
 

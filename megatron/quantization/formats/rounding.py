@@ -36,11 +36,12 @@ def uniform_noise(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
 
 
-def stochastic_round_to_grid_(a: torch.Tensor, noise: torch.Tensor, emin: int,
+def stochastic_round_to_grid(a: torch.Tensor, noise: torch.Tensor, emin: int,
                               mbits: int) -> torch.Tensor:
-    """Stochastically round `a` (float32/float64, finite values within the format's range) in
-    place on the grid of a binary float format with `mbits` mantissa bits and smallest normal
-    exponent `emin` (subnormals kept); `noise` holds uniform [0, 1) numbers of a's shape.
+    """Stochastically round `a` (float32/float64, finite values within the format's range) on
+    the grid of a binary float format with `mbits` mantissa bits and smallest normal exponent
+    `emin` (subnormals kept); `noise` holds uniform [0, 1) numbers of a's shape. Returns a new
+    tensor; `a` is used as scratch (overwritten).
 
     The spacing at |a| is 2**(max(floor(log2|a|), emin) - mbits) (read from the exponent bits,
     as for round to nearest); r = |a| / spacing is exact, floor(r) * spacing is the lower
