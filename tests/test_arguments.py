@@ -70,6 +70,9 @@ class TestDefaults:
         missing = [a.option_strings for a in parser._actions
                    if a.option_strings and a.dest != "help" and not a.help]
         assert missing == []
+        # --help renders (a bare % in a help text breaks argparse's formatting).
+        text = parser.format_help()
+        assert "--quant-recipe" in text and "~15% of the layers" in text
 
 
 class TestExplicitLists:

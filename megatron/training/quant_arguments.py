@@ -94,8 +94,9 @@ def add_quantization_args(parser):
                             "site in the log line. 0 (default): off.")
     group.add_argument("--quant-recipe", type=str, default=None, choices=RECIPE_NAMES,
                        help="A published training recipe in one flag: " + "; ".join(
-                           f"{name}: {text}" for name, text in RECIPE_SOURCES.items())
-                       + ". --first-last-layers-bf16 replaces the recipe's BF16 layers.")
+                           f"{name}: {text}" for name, text in RECIPE_SOURCES.items()
+                       ).replace("%", "%%") + ". --first-last-layers-bf16 replaces the recipe's "
+                       "BF16 layers.")
     group.add_argument("--quant-recipe-file", type=str, default=None, metavar="FILE",
                        help="A YAML/JSON recipe in megatron-core's RecipeConfig shape: named "
                             "configs (per GEMM format, stochastic rounding, Hadamard transform, "
