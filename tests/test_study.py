@@ -134,6 +134,7 @@ def test_tiny_study_end_to_end(data_root, tmp_path):
     out = tmp_path / "study"
     log, _ = _study(data_root, out)
     assert "run 4/4" in log and "ETA" in log
+    assert "[study] caveat: 2 seed(s) of 4 iterations" in log        # a small study says so
     study = json.loads((out / "study.json").read_text())
     assert study["baseline"] == "bf16"
     assert study["budget"]["train_iters"] == 4 and study["budget"]["tokens"] == 4 * 2 * 64
@@ -214,3 +215,35 @@ def test_gpu_recipe_dry_run(capsys):
     assert first[first.index("--train-iters") + 1] == str(math.ceil(2e9 / (256 * 4096)))
     assert [c.split()[c.split().index("--seed") + 1] for c in commands] == \
         ["1", "1", "2", "2", "3", "3"]
+
+
+def test_sigterm_ends_the_trainings_and_says_how_to_resume(data_root, tmp_path):
+    """SIGTERM to the study: its running trainings end with it (no orphan keeps writing into a
+    run a restarted study reuses), one line says where to resume, exit status 143."""
+    import psutil
+    import signal
+
+    out = tmp_path / "study"
+    cmd = [sys.executable, f"{REPO_ROOT}/tools/study.py", "--output-dir", str(out),
+           "--data-root", str(data_root), "--tokenizer", f"bpe{VOCAB}", "--schemes", "bf16",
+           "--seeds", "2", "--train-iters", "400", "--seq-length", "64", "--micro-batch-size",
+           "2", "--global-batch-size", "2", "--jobs", "1", "--", "--num-layers", "2",
+           "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "2",
+           "--num-query-groups", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:                  # wait until a training has started
+        lines.append(line)
+        if "[study] start" in line:
+            break
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 143
+    assert "[study] stopped by SIGTERM after 0 of 2 run(s); ended bf16 seed 1" in rest
+    assert "run the same command again to resume" in rest and "Traceback" not in rest
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+    assert not (out / "runs" / "bf16" / "seed1" / "result.json").exists()

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -268,12 +269,37 @@ def _finish(run: Run, returncode: int, seconds: float) -> dict:
 def _eta(done_seconds: List[float], remaining: int, jobs: int) -> str:
     if not done_seconds or remaining <= 0:
         return ""
-    minutes = sum(done_seconds) / len(done_seconds) * math.ceil(remaining / jobs) / 60
-    return f"; ETA {minutes:.0f} min"
+    seconds = sum(done_seconds) / len(done_seconds) * math.ceil(remaining / jobs)
+    return f"; ETA {seconds / 60:.0f} min" if seconds >= 90 else f"; ETA {seconds:.0f} s"
+
+
+class StudyStopped(Exception):
+    """SIGTERM (or Ctrl-C) reached the study: its trainings were ended."""
+
+
+def _raise_stopped(signum, _frame):
+    raise StudyStopped(signal.Signals(signum).name)
+
+
+def _end(procs, grace: float = 10.0) -> None:
+    """Terminate the running trainings and wait for them (kill what outlives `grace`), so that
+    no orphan keeps writing into a run directory a restarted study will reuse."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.time() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def execute(runs: List[Run], jobs: int, threads: int, log=print) -> None:
-    """Run what is not finished yet, `jobs` at a time, reporting progress."""
+    """Run what is not finished yet, `jobs` at a time, reporting progress. SIGTERM and Ctrl-C
+    end the running trainings (their runs are redone by the next invocation) and raise
+    StudyStopped."""
     todo = [r for r in runs if not r.finished()]
     reused = len(runs) - len(todo)
     if reused:
@@ -281,6 +307,7 @@ def execute(runs: List[Run], jobs: int, threads: int, log=print) -> None:
     total, done, durations = len(todo), 0, []
     active: Dict[subprocess.Popen, Tuple[Run, float]] = {}
     start = time.time()
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         while todo or active:
             while todo and len(active) < jobs:
@@ -298,10 +325,14 @@ def execute(runs: List[Run], jobs: int, threads: int, log=print) -> None:
                            f"FAILED (exit {proc.returncode}; see {run.log})")
                 log(f"[study] run {done}/{total} {run.spec.label} seed {run.seed}: {outcome} "
                     f"({result['seconds']:.0f} s){_eta(durations, total - done, jobs)}")
-    except KeyboardInterrupt:
-        for proc in active:
-            proc.terminate()
-        raise
+    except (KeyboardInterrupt, StudyStopped) as exc:
+        _end(list(active))
+        interrupted = ", ".join(f"{run.spec.label} seed {run.seed}" for run, _ in active.values())
+        raise StudyStopped(f"{type(exc).__name__ if isinstance(exc, KeyboardInterrupt) else exc}"
+                           f" after {done} of {total} run(s); ended "
+                           f"{interrupted or 'no running training'}") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if total:
         log(f"[study] {total} run(s) in {(time.time() - start) / 60:.1f} min")
 
@@ -400,7 +431,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log(f"[study] {len(specs)} scheme(s) x {args.seeds} seed(s) = {len(runs)} runs of "
         f"{iters} iterations ({budget['tokens']:,} tokens), {jobs} at once with "
         f"{max(1, cores // jobs)} thread(s) each -> {out}")
-    execute(runs, jobs, max(1, cores // jobs), log)
+    if args.seeds < 3 or iters < 100:
+        log(f"[study] caveat: {args.seeds} seed(s) of {iters} iterations: the intervals and "
+            "verdicts of so small a study say little (use 3+ seeds and the default budget for "
+            "a comparison)")
+    try:
+        execute(runs, jobs, max(1, cores // jobs), log)
+    except StudyStopped as exc:
+        log(f"[study] stopped by {exc}; finished runs are kept: run the same command again "
+            f"to resume ({out})")
+        return 143
     study = write_results(runs, baseline, budget, out)
     log("\n" + study_stats.markdown_table(study) + "\n\n" + study_stats.noise_note(study))
     log(f"[study] wrote {out / 'study.json'}, study.png, study.md, study.html")
