@@ -73,6 +73,9 @@ class TestDefaults:
         # --help renders (a bare % in a help text breaks argparse's formatting).
         text = parser.format_help()
         assert "--quant-recipe" in text and "~15% of the layers" in text
+        # ... and shows the defaults (Megatron's eval-iters 100 is the one that surprises).
+        flat = " ".join(text.split())
+        assert "(default: 100)" in flat and "(default: 1234)" in flat
 
 
 class TestExplicitLists:

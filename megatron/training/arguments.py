@@ -381,8 +381,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """--help shows each flag's default, unless it has none (None, off) or the help text
+    already states it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or "default" in text.lower()
+                or not action.option_strings):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {str(shown).replace('%', '%%')})"
+
+
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
-    parser = _Parser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser = _Parser(description="Megatron-LM Arguments", allow_abbrev=False,
+                     formatter_class=_DefaultsFormatter)
     for add_group in ARGUMENT_GROUPS:
         parser = add_group(parser)
     if extra_args_provider is not None:
