@@ -153,3 +153,12 @@ def test_pretrain_gpt_script_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("lm loss:") == 2
     assert "exiting at iteration 2: train-iters" in proc.stdout
+
+
+def test_a_long_validation_reports_its_progress(monkeypatch, capsys):
+    from megatron.training import training
+    monkeypatch.setattr(training, "EVAL_PROGRESS_SECONDS", 0.0)
+    run(TINY_MOCK_ARGS + ["--train-iters", "1", "--eval-iters", "3"])
+    out = capsys.readouterr().out
+    assert "validation: 1/3 batches (--eval-iters)" in out
+    assert "validation: 2/3 batches (--eval-iters)" in out and "3/3 batches" not in out

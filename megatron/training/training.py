@@ -221,14 +221,22 @@ def train_step(forward_step_func, data_iterator, ddp_model, optimizer, scheduler
     return _reduce_losses(losses_reduced), grad_norm, not update_successful
 
 
-def evaluate(forward_step_func, data_iterator, ddp_model, args) -> Optional[float]:
-    """Mean per-token validation loss over --eval-iters batches (None if no data)."""
+EVAL_PROGRESS_SECONDS = 10.0    # a validation that takes longer reports its progress
+
+
+def evaluate(forward_step_func, data_iterator, ddp_model, args,
+             progress_every: Optional[float] = None) -> Optional[float]:
+    """Mean per-token validation loss over --eval-iters batches (None if no data). A long
+    validation prints its progress every `progress_every` seconds (Megatron's default of 100
+    batches can take minutes on a CPU)."""
     if data_iterator is None or args.eval_iters == 0:
         return None
+    progress_every = EVAL_PROGRESS_SECONDS if progress_every is None else progress_every
     ddp_model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=_device())
+    start = last = time.time()
     with torch.no_grad():
-        for _ in range(args.eval_iters):
+        for done in range(1, args.eval_iters + 1):
             losses = get_forward_backward_func()(
                 forward_step_func=forward_step_func, data_iterator=data_iterator,
                 model=[ddp_model], num_microbatches=args.num_micro_batches,
@@ -237,6 +245,12 @@ def evaluate(forward_step_func, data_iterator, ddp_model, args) -> Optional[floa
             if parallel_state.is_pipeline_last_stage():
                 for entry in losses:
                     total += entry["lm loss"].to(total)
+            now = time.time()
+            if now - last >= progress_every and done < args.eval_iters:
+                last = now
+                eta = (now - start) / done * (args.eval_iters - done)
+                print_rank_0(f"[{_timestamp()}] validation: {done}/{args.eval_iters} batches "
+                             f"(--eval-iters) in {now - start:.0f} s, about {eta:.0f} s left")
     ddp_model.train()
     if not parallel_state.is_pipeline_last_stage():
         return None
