@@ -183,3 +183,31 @@ def test_tools_wrapper_runs_from_any_directory(tmp_path):
     assert proc.returncode == 2  # main()'s exit code reaches the shell
     assert proc.stderr.strip().endswith("error: --input absent.jsonl: file not found; pass an "
                                         "existing JSON-lines file (.jsonl or .jsonl.gz)")
+
+
+def test_sidecar_records_the_tokenizer_and_the_largest_id(tmp_path, tokenizer):
+    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    rc, prefix = _run(tmp_path, src, "side", "--append-eod")
+    assert rc == 0
+    sidecar = json.loads(Path(prefix + ".json").read_text())
+    ds = _indexed_dataset(prefix)
+    assert sidecar["tokenizer"] == {"type": "Llama3Tokenizer", "vocab_size": 128256,
+                                    "eod": 128001, "sha256": tokenizer.sha256}
+    assert sidecar["max_token_id"] == max(int(ds[i].max()) for i in range(len(ds))) == 128001
+    assert (sidecar["dtype"], sidecar["sequences"], sidecar["documents"], sidecar["tokens"],
+            sidecar["bin_bytes"], sidecar["append_eod"], sidecar["source"]) == (
+        "int32", len(ds), len(ds), sum(len(ds[i]) for i in range(len(ds))),
+        Path(prefix + ".bin").stat().st_size, True, "docs.jsonl")
+
+
+def test_write_sidecar_flags(tmp_path, capsys):
+    for argv, message in (
+            (["--write-sidecar", "x", "--input", "y"], "--write-sidecar PREFIX takes no --input"),
+            (["--input", "y"], "required: --output-prefix (or --write-sidecar PREFIX)")):
+        with pytest.raises(SystemExit) as exc:
+            preprocess_data.main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert preprocess_data.main(["--write-sidecar", str(tmp_path / "absent")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --write-sidecar {tmp_path / 'absent'}: {tmp_path / 'absent'}.bin not found; "
+        "pass the prefix of an existing dataset (PREFIX.bin and PREFIX.idx)")
