@@ -61,6 +61,7 @@ bench: install
 	$(PY) benchmarks/telemetry.py
 	$(PY) benchmarks/tokens_per_second.py
 	$(PY) benchmarks/capture_kill.py
+	$(PY) benchmarks/checkpoint_checksum.py
 
 clean:
 	rm -rf runs reports .pytest_cache

@@ -12,7 +12,10 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
+import subprocess
+import sys
 from datetime import datetime
 
 import numpy as np
@@ -28,10 +31,10 @@ from megatron.tensor_capture.writer import CaptureWriter
 from megatron.training.checkpoint_files import read_metadata, verify_checkpoint
 from megatron.training.cli import main
 from megatron.training.data_files import check_dataset
-from megatron.training.errors import ConfigError
+from megatron.training.errors import ConfigError, TrainingError
 from megatron.training.training import pretrain
 
-from conftest import TINY_MOCK_ARGS
+from conftest import REPO_ROOT, TINY_MOCK_ARGS
 from fakedisk import FakeDisk
 
 ARGS = TINY_MOCK_ARGS + ["--train-iters", "2"]
@@ -376,3 +379,51 @@ def test_truncated_idx_is_refused_before_the_model_is_built(dataset, capsys, siz
 def test_an_intact_dataset_trains(dataset, capsys):
     code, out, err = train_on(dataset, capsys)
     assert code == 0 and "exiting at iteration 1" in out, err
+
+
+def test_divergence_is_one_line_naming_the_iteration_and_checkpoint(tmp_path):
+    """--lr 1e4 sends the gradients to NaN within a few steps: megatron-core's NaN check
+    stops the step; the run says where and what is left, without a traceback."""
+    ckpt = str(tmp_path / "ckpt")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *TINY_MOCK_ARGS,
+         "--train-iters", "30", "--lr", "1e4", "--lr-warmup-iters", "0", "--save", ckpt,
+         "--save-interval", "1"],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    match = re.search(r"training diverged at iteration (\d+): NaN in the gradients \(--lr "
+                      r"10000\); the last checkpoint is iteration (\d+) in ", lines[0])
+    assert match, lines[0]
+    assert int(match.group(2)) == int(match.group(1)) - 1
+
+
+def test_out_of_memory_names_the_flags(monkeypatch):
+    """A step that runs out of host memory is one line naming the micro-batch flags."""
+    from megatron.training import training
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(training, "train_step", no_memory)
+    with pytest.raises(TrainingError, match=r"out of memory at iteration 1 \(MemoryError\): a "
+                       r"micro-batch is --micro-batch-size 2 x --seq-length 64 = 128 tokens"):
+        pretrain(pretrain_gpt.forward_step, TINY_MOCK_ARGS + ["--train-iters", "2"])
+
+
+def test_out_of_memory_building_the_datasets_names_the_flags(monkeypatch):
+    """--micro-batch-size 100000000 (measured: megatron-core's builder runs out of memory for
+    the sample index and re-raises it wrapped in a plain Exception) is one line."""
+    from megatron.training import training
+
+    def wrapped_memory_error(*args, **kwargs):
+        try:
+            raise MemoryError("std::bad_alloc")
+        except MemoryError:
+            raise Exception("MockGPTDataset failed to build as a mock data generator")
+
+    monkeypatch.setattr(training, "build_datasets", wrapped_memory_error)
+    with pytest.raises(TrainingError, match=r"out of memory building the datasets .*"
+                       r"--global-batch-size 4 = 8 samples"):
+        pretrain(pretrain_gpt.forward_step, TINY_MOCK_ARGS + ["--train-iters", "2"])

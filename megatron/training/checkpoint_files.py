@@ -5,16 +5,26 @@ whatever a tampered file asks for. `verify_checkpoint` first reads that file wit
 unpickler that only builds the classes such metadata consists of, then checks that every file
 the checkpoint needs is there and as long as the metadata says, and reads `common.pt` with
 `weights_only=True` (megatron-core reads it with torch's default, which a
-TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD environment would turn into plain pickle). Each problem is
-one ConfigError line naming the file.
+TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD environment would turn into plain pickle). Every file it
+names must be a regular file of the directory (no symbolic links). Each problem is one
+ConfigError line naming the file.
+
+Damage that keeps a file's size is found by checksums: at save, `digest_files` hashes every
+file of the checkpoint (SHA-256 of the bytes on disk, after dist_checkpointing wrote them)
+and `write_checksums` records them in `checksums.json` before the directory gets its final
+name; `check_files` compares them at --load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
 import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -23,6 +33,12 @@ from megatron.training.errors import ConfigError
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
 REQUIRED_FILES = ("metadata.json", COMMON_FILE, METADATA_FILE)
+CHECKSUMS_FILE = "checksums.json"
+CHECKSUM_ALGORITHM = "sha256"          # hashlib name; `sha256sum FILE` prints the same digest
+CHECKSUMS_FORMAT = "megatron-lowp checkpoint checksums"
+# The key of the common state (common.pt) saying that the save wrote checksums.json.
+CHECKSUMS_KEY = "checksums_file"
+_CHUNK = 8 << 20
 
 # What torch's distributed-checkpoint metadata is made of (torch 2.x): its dataclasses and
 # enums, torch.Size, dtypes and the layout helper. Nothing here executes anything on load.
@@ -70,12 +86,32 @@ def read_metadata(path: str):
                           f"{exc}); the checkpoint is damaged") from None
 
 
-def verify_checkpoint(ckpt_dir: str) -> None:
-    """Raise ConfigError (one line) unless `ckpt_dir` is complete and its metadata is data."""
+@dataclass
+class CheckpointFiles:
+    """What verify_checkpoint found: the files a load reads, and the common state."""
+    needed: List[str] = field(default_factory=list)
+    common: dict = field(default_factory=dict)
+
+
+def _regular_file(ckpt_dir: str, name: str) -> str:
+    """The path of `name` in `ckpt_dir`; ConfigError when missing or a symbolic link."""
+    path = os.path.join(ckpt_dir, name)
+    if os.path.islink(path):
+        raise ConfigError(f"{path} is a symbolic link (to {os.path.realpath(path)}): a "
+                          "checkpoint holds only its own regular files; copy the file in "
+                          "instead of linking it")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} is missing: the checkpoint is incomplete or damaged")
+    return path
+
+
+def verify_checkpoint(ckpt_dir: str) -> CheckpointFiles:
+    """Raise ConfigError (one line) unless `ckpt_dir` is complete and its metadata is data.
+
+    Structure only (files present, long enough, metadata safe to read); the checksums are
+    `check_files`'s."""
     for name in REQUIRED_FILES:
-        path = os.path.join(ckpt_dir, name)
-        if not os.path.isfile(path):
-            raise ConfigError(f"{path} is missing: the checkpoint is incomplete or damaged")
+        _regular_file(ckpt_dir, name)
     _check_json(os.path.join(ckpt_dir, "metadata.json"))
     metadata = read_metadata(os.path.join(ckpt_dir, METADATA_FILE))
     storage = getattr(metadata, "storage_data", None)
@@ -90,20 +126,20 @@ def verify_checkpoint(ckpt_dir: str) -> None:
                               f"{name!r}, not a file of the checkpoint directory")
         needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
     for name, size in sorted(needed.items()):
-        path = os.path.join(ckpt_dir, name)
-        if not os.path.isfile(path):
-            raise ConfigError(f"{path} is missing: the checkpoint is incomplete or damaged")
+        path = _regular_file(ckpt_dir, name)
         actual = os.path.getsize(path)
         if actual < size:
             raise ConfigError(f"{path} has {actual} bytes, the metadata needs at least {size}: "
                               "the file is truncated")
-    _check_common_state(os.path.join(ckpt_dir, COMMON_FILE))
+    common = _check_common_state(os.path.join(ckpt_dir, COMMON_FILE))
+    return CheckpointFiles(needed=sorted(set(REQUIRED_FILES) | set(needed)),
+                           common=common if isinstance(common, dict) else {})
 
 
-def _check_common_state(path: str) -> None:
-    """`common.pt` must load as plain data (no code) and be complete."""
+def _check_common_state(path: str):
+    """`common.pt` must load as plain data (no code) and be complete; returns it."""
     try:
-        torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         # Not torch's message: it advises weights_only=False, which would run the file's code.
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
@@ -130,3 +166,130 @@ def _check_json(path: str) -> None:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: unreadable ({type(exc).__name__}: {exc}); the checkpoint "
                           "is damaged") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksums
+# ---------------------------------------------------------------------------------------------
+
+
+def file_digest(path: str) -> Tuple[int, str]:
+    """(size, hex digest) of the bytes of `path` as they are on disk."""
+    digest = hashlib.new(CHECKSUM_ALGORITHM)
+    size = 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buffer)
+            if not n:
+                break
+            digest.update(view[:n])      # hashlib releases the GIL: threads hash in parallel
+            size += n
+    return size, digest.hexdigest()
+
+
+def hash_threads(jobs: int) -> int:
+    """Threads for hashing `jobs` files: the cores of this host shared by its ranks."""
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(jobs, 8, (os.cpu_count() or 1) // local_ranks))
+
+
+def digest_files(directory: str, names: Iterable[str]) -> Dict[str, dict]:
+    """{name: {"size": bytes, "sha256": hex}} for files of `directory` (relative names)."""
+    names = list(names)
+    if not names:
+        return {}
+    with ThreadPoolExecutor(max_workers=hash_threads(len(names))) as pool:
+        results = list(pool.map(lambda n: file_digest(os.path.join(directory, n)), names))
+    return {name: {"size": size, CHECKSUM_ALGORITHM: hexdigest}
+            for name, (size, hexdigest) in zip(names, results)}
+
+
+def list_files(directory: str) -> List[str]:
+    """Relative paths ('/'-separated) of the files under `directory`, without the manifest."""
+    found = []
+    for base, _dirs, files in os.walk(directory):
+        for name in files:
+            rel = os.path.relpath(os.path.join(base, name), directory).replace(os.sep, "/")
+            if rel != CHECKSUMS_FILE:
+                found.append(rel)
+    return sorted(found)
+
+
+def write_checksums(directory: str, files: Dict[str, dict]) -> None:
+    """Write `checksums.json` into `directory` (temporary name, fsync, rename)."""
+    path = os.path.join(directory, CHECKSUMS_FILE)
+    tmp = path + ".tmp"
+    text = json.dumps({"format": CHECKSUMS_FORMAT, "version": 1,
+                       "algorithm": CHECKSUM_ALGORITHM,
+                       "files": {name: files[name] for name in sorted(files)}}, indent=1)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _safe_name(name) -> bool:
+    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name:
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
+
+
+def read_checksums(ckpt_dir: str) -> Optional[Dict[str, dict]]:
+    """The {name: {"size", "sha256"}} of `checksums.json`; None when the file is absent (a
+    checkpoint saved before checkpoints were checksummed); ConfigError when unusable."""
+    path = os.path.join(ckpt_dir, CHECKSUMS_FILE)
+    if not os.path.lexists(path):
+        return None
+    _regular_file(ckpt_dir, CHECKSUMS_FILE)
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: unreadable ({type(exc).__name__}: {first_line(exc)}); the "
+                          "checkpoint is damaged") from None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict) or data.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise ConfigError(f"{path}: not a {CHECKSUM_ALGORITHM} checksum list of this program; "
+                          "the checkpoint is damaged")
+    for name, entry in files.items():
+        if not _safe_name(name):
+            raise ConfigError(f"{path}: names {name!r}, not a file of the checkpoint "
+                              "directory; the checkpoint is damaged")
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
+                and isinstance(entry.get(CHECKSUM_ALGORITHM), str)
+                and re.fullmatch(r"[0-9a-f]{64}", entry[CHECKSUM_ALGORITHM])):
+            raise ConfigError(f"{path}: the entry of {name!r} is not a size and a "
+                              f"{CHECKSUM_ALGORITHM} digest; the checkpoint is damaged")
+    return files
+
+
+def check_files(ckpt_dir: str, files: Dict[str, dict]) -> Optional[Tuple[str, str]]:
+    """(name, problem) of the first file (by name) whose bytes are not those recorded in
+    `files`, or None when all match."""
+    for name in sorted(files):
+        path = os.path.join(ckpt_dir, *name.split("/"))
+        expected = files[name]
+        if os.path.islink(path):
+            return name, "is a symbolic link; a checkpoint holds only its own regular files"
+        if not os.path.isfile(path):
+            return name, "is missing (checksums.json lists it)"
+        try:
+            size = os.path.getsize(path)
+            if size != expected["size"]:
+                return name, f"is damaged ({size} bytes, the save wrote {expected['size']})"
+            _, hexdigest = file_digest(path)
+        except OSError as exc:
+            return name, f"is unreadable ({exc.strerror or first_line(exc)})"
+        if hexdigest != expected[CHECKSUM_ALGORITHM]:
+            return name, "is damaged (checksum mismatch)"
+    return None

@@ -1,24 +1,39 @@
 """Checkpoints through megatron.core.dist_checkpointing (torch_dist format).
 
 Layout under --save:
+    .lock                               held (flock) by the run that owns the directory
     latest_checkpointed_iteration.txt   the iteration of the newest COMPLETE checkpoint
-    iter_0000010/                       one dist_checkpointing directory per saved iteration
+    iter_0000010/                       one dist_checkpointing directory per saved iteration,
+                                        with checksums.json (SHA-256 of every file)
 
-A checkpoint is written into `iter_XXXXXXX.incomplete/`, renamed once every rank has finished,
-and only then recorded in the tracker file (itself written to a temporary name and renamed).
-A run killed at any moment therefore leaves the tracker pointing at a complete checkpoint.
-The common state records the model shape, so `--load` of a checkpoint made with another
-shape stops before training with the differing flags named.
+One run owns a --save directory: global rank 0 takes `<save>/.lock` (run_lock.py) before
+anything is built and keeps it until the run ends; a second run stops with one line naming
+the holder. A checkpoint is written into `iter_XXXXXXX.incomplete.<pid>-<token>/` (a name of
+this save alone), its files are hashed into `checksums.json`, and only then is the directory
+renamed and recorded in the tracker file (itself written to a temporary name and renamed).
+A run killed at any moment therefore leaves the tracker pointing at a complete, checksummed
+checkpoint; the `.incomplete*` directories of dead runs are removed by the next save of the
+lock holder, and a save that fails (a full disk, ...) removes its own before it reports one
+line (CheckpointSaveError). The common state records the model shape, so `--load` of a
+checkpoint made with another shape stops before training with the differing flags named.
+
+`--load` verifies the checkpoint before anything is built: structure (checkpoint_files.py),
+no `iter_*` entry resolving outside the --load directory, and the checksums (hashing shared
+out over the ranks); with --load-fallback-to-previous a damaged chosen checkpoint gives way
+to the newest intact earlier one.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import pickle
 import random
 import re
+import secrets
 import shutil
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,11 +44,26 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron.quantization.delayed_scaling import histories_state, load_histories_state
 
-from megatron.training.checkpoint_files import first_line, verify_checkpoint
-from megatron.training.errors import ConfigError
+from megatron.training import run_lock
+from megatron.training.checkpoint_files import (
+    CHECKSUMS_FILE, CHECKSUMS_KEY, check_files, digest_files, first_line, list_files,
+    read_checksums, verify_checkpoint, write_checksums)
+from megatron.training.errors import ConfigError, TrainingError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 1
+INCOMPLETE = ".incomplete"
+# Every directory a save may leave behind when its process dies: the legacy shared name
+# `iter_X.incomplete` and the per-save `iter_X.incomplete.<pid>-<token>[-replaced]`.
+_INCOMPLETE_RE = re.compile(r"iter_\d{7,}\.incomplete(\..*)?")
+# Checksums are written by every save (False only to measure their cost, or to make a
+# checkpoint like those saved before checksums existed).
+WRITE_CHECKSUMS = True
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointSaveError(TrainingError):
+    """A save that failed; its partial directory is gone, the previous checkpoint intact."""
 
 # Args that determine parameter shapes; a checkpoint only loads into the same values.
 MODEL_SHAPE_ARGS = (
@@ -63,7 +93,7 @@ def read_tracker(root: str) -> Optional[int]:
 
 
 def _write_tracker(root: str, iteration: int) -> None:
-    tmp = os.path.join(root, f".{TRACKER_FILE}.tmp")
+    tmp = os.path.join(root, f".{TRACKER_FILE}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         f.write(str(iteration))
         f.flush()
@@ -144,7 +174,7 @@ def _read_error(exc: BaseException) -> str:
 
 
 def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples,
-                        is_loading=False, load_histories=True):
+                        is_loading=False, load_histories=True, checksummed=False):
     model_sd = model.sharded_state_dict()
     state = {
         "model": model_sd,
@@ -154,6 +184,9 @@ def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_s
         "model_shape": model_shape(args),
         "parallel_layout": _parallel_layout(),
     }
+    if checksummed:
+        # A checkpoint that says so cannot lose its checksums.json unnoticed.
+        state[CHECKSUMS_KEY] = CHECKSUMS_FILE
     if not (is_loading and args.no_load_rng):
         state["rng_state"] = _rng_sharded_object(None if is_loading else _rng_state())
     if _uses_delayed_scaling(model) and load_histories:
@@ -168,25 +201,278 @@ def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_s
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args,
-                    consumed_samples: int, log=print) -> str:
-    """Save atomically; every rank calls this. Returns the checkpoint directory."""
-    final = checkpoint_dir(root, iteration)
-    tmp = final + ".incomplete"
-    rank = torch.distributed.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    torch.distributed.barrier()
-    state = _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples)
-    dist_checkpointing.save(state, tmp)
-    torch.distributed.barrier()
-    if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
+# ---------------------------------------------------------------------------------------------
+# Collectives (all no-ops in a process without torch.distributed)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rank_world() -> Tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _broadcast(obj):
+    """Rank 0's `obj` on every rank."""
+    if _rank_world()[1] == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj) -> list:
+    if _rank_world()[1] == 1:
+        return [obj]
+    out = [None] * _rank_world()[1]
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _on_rank_0(fn: Callable):
+    """fn() run by global rank 0 alone; every rank returns its result or raises the same
+    ConfigError, so that all ranks take the same path through what follows."""
+    outcome = None
+    if _rank_world()[0] == 0:
+        try:
+            outcome = ("ok", fn())
+        except ConfigError as exc:
+            outcome = ("error", str(exc))
+        except BaseException as exc:
+            _broadcast(("crash", f"{type(exc).__name__}: {first_line(exc)}"))
+            raise
+    kind, value = _broadcast(outcome)
+    if kind == "ok":
+        return value
+    if kind == "error":
+        raise ConfigError(value)
+    raise RuntimeError(f"rank 0 failed: {value}")
+
+
+# ---------------------------------------------------------------------------------------------
+# One run per --save directory
+# ---------------------------------------------------------------------------------------------
+
+_save_lock: Optional[run_lock.RunLock] = None
+
+
+def lock_save_dir(root: str) -> None:
+    """Take `<root>/.lock` on global rank 0 for the rest of the run (release_save_lock gives
+    it back); every rank raises the same one-line ConfigError when another run holds it."""
+    def take():
+        global _save_lock
+        release_save_lock()
+        _save_lock = run_lock.acquire(root, "--save")
+
+    _on_rank_0(take)
+
+
+def release_save_lock() -> None:
+    global _save_lock
+    if _save_lock is not None:
+        lock, _save_lock = _save_lock, None
+        lock.release()
+
+
+def _holds_lock(root: str) -> bool:
+    return _save_lock is not None and _save_lock.held and \
+        os.path.realpath(_save_lock.directory) == os.path.realpath(root)
+
+
+def _remove(path: str) -> None:
+    """Remove a directory tree, file or link, quietly."""
+    try:
+        if os.path.islink(path) or not os.path.isdir(path):
+            os.remove(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+
+
+def remove_stale_incomplete(root: str) -> List[str]:
+    """Remove the `iter_*.incomplete*` directories in `root` (names returned). Only for the
+    holder of root's lock: any such directory is then a dead run's."""
+    removed = []
+    for name in sorted(os.listdir(root)):
+        if _INCOMPLETE_RE.fullmatch(name):
+            _remove(os.path.join(root, name))
+            removed.append(name)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------------
+
+
+def _exception_chain(exc: BaseException):
+    """exc, its causes and contexts, and the per-rank failures of a CheckpointException."""
+    seen, todo = set(), [exc]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        todo += [item.__cause__, item.__context__]
+        if isinstance(item, CheckpointException):
+            todo += [pair[0] for pair in item.failures.values() if isinstance(pair, tuple)]
+
+
+def _free_bytes(path: str) -> Optional[int]:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _save_error(exc: BaseException, root: str) -> str:
+    """Why a save failed, in one line. A full disk reads "no space left on device" however it
+    surfaced (torch's serializer turns ENOSPC into "unexpected pos"): called while the partial
+    files still fill the disk."""
+    if any(isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS for e in _exception_chain(exc)):
+        return "no space left on device"
+    free = _free_bytes(root)
+    if free is not None and free < (1 << 20):
+        return f"no space left on device ({free:,} bytes free; {_read_error(exc)})"
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    return _read_error(exc)
+
+
+def _agree(fn: Callable, root: str):
+    """fn() on every rank, then the first failure of any rank, the same on all ranks:
+    (None, [results by rank]) or (reason, None)."""
+    try:
+        mine = (None, fn())
+    except (Exception, CheckpointException) as exc:     # torch's derives from BaseException
+        mine = (_save_error(exc, root), None)
+    everyone = _all_gather(mine)
+    failures = [reason for reason, _ in everyone if reason is not None]
+    if failures:
+        return failures[0], None
+    return None, [result for _, result in everyone]
+
+
+_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+def _drop_writer_error(record: logging.LogRecord) -> bool:
+    """megatron-core logs a failed shard write ("Local process N encountered an error: ...")
+    before raising it; the save reports it in its own one line."""
+    return not str(record.msg).startswith("Local process")
+
+
+def _writer_rank(name: str) -> Optional[int]:
+    """The global rank whose file `name` is (torch_dist names its shards `__<rank>_<n>`)."""
+    match = re.search(r"__(\d+)_\d+\.distcp$", name)
+    return int(match.group(1)) if match else None
+
+
+def _hash_own_files(directory: str, rank: int, world: int) -> Dict[str, dict]:
+    """Digests of the shards this rank wrote; rank 0 also takes every other file."""
+    def mine(name):
+        writer = _writer_rank(name)
+        return writer == rank or (rank == 0 and (writer is None or writer >= world))
+    return digest_files(directory, [n for n in list_files(directory) if mine(n)])
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _commit(root: str, tmp: str, final: str, iteration: int,
+            digests: Optional[Dict[str, dict]]) -> None:
+    """Rank 0: checksums.json (complete before the directory gets its final name), rename,
+    tracker."""
+    if digests is not None:
+        missing = [n for n in list_files(tmp) if n not in digests]
+        digests.update(digest_files(tmp, missing))
+        write_checksums(tmp, digests)
+    _fsync_dir(tmp)
+    aside = None
+    if os.path.lexists(final):
+        # Saving an iteration again (a resumed run): the old directory moves aside under an
+        # .incomplete name (removed below, or by the next save if this process dies now).
+        aside = f"{tmp}-replaced"
+        os.rename(final, aside)
+    try:
         os.replace(tmp, final)
-        _write_tracker(root, iteration)
-    torch.distributed.barrier()
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, final)
+        raise
+    _write_tracker(root, iteration)
+    _fsync_dir(root)
+    if aside is not None:
+        _remove(aside)
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args,
+                    consumed_samples: int, log=print, checksums: Optional[bool] = None) -> str:
+    """Save atomically; every rank calls this. Returns the checkpoint directory.
+
+    Raises CheckpointSaveError (one line, the same on every rank) when the save fails; the
+    partial directory is removed first and the tracker still names the previous checkpoint.
+    """
+    checksums = WRITE_CHECKSUMS if checksums is None else checksums
+    rank, world = _rank_world()
+    final = checkpoint_dir(root, iteration)
+    tmp = _broadcast(f"{final}{INCOMPLETE}.{os.getpid()}-{secrets.token_hex(3)}"
+                     if rank == 0 else None)
+
+    def prepare():
+        if rank != 0:
+            return
+        os.makedirs(root, exist_ok=True)
+        if _holds_lock(root):
+            removed = remove_stale_incomplete(root)
+            if removed:
+                log(f"note: removed {len(removed)} incomplete checkpoint "
+                    f"director{'y' if len(removed) == 1 else 'ies'} left in {root} by a run "
+                    f"that died while saving: {', '.join(removed)}")
+        os.makedirs(tmp)
+
+    def write():
+        state = _sharded_state_dict(model, optimizer, scheduler, args, iteration,
+                                    consumed_samples, checksummed=checksums)
+        writer_log = logging.getLogger(_WRITER_LOGGER)
+        writer_log.addFilter(_drop_writer_error)
+        try:
+            dist_checkpointing.save(state, tmp)
+        finally:
+            writer_log.removeFilter(_drop_writer_error)
+
+    problem, _ = _agree(prepare, root)
+    if problem is None:
+        problem, _ = _agree(write, root)
+    digests = None
+    if problem is None and checksums:
+        problem, parts = _agree(lambda: _hash_own_files(tmp, rank, world), root)
+        if problem is None:
+            digests = {name: entry for part in parts for name, entry in part.items()}
+    if problem is None:
+        problem, _ = _agree(lambda: rank == 0 and _commit(root, tmp, final, iteration, digests),
+                            root)
+    if problem is not None:
+        if rank == 0:
+            _remove(tmp)
+        previous = _broadcast(read_tracker_quietly(root) if rank == 0 else None)
+        kept = (f"the previous checkpoint (iteration {previous}) is intact"
+                if previous is not None else "no earlier checkpoint was saved")
+        raise CheckpointSaveError(f"saving the checkpoint at iteration {iteration} to {root} "
+                                  f"failed: {problem}; {kept}")
     log(f"saved checkpoint at iteration {iteration} to {final}")
     return final
 
@@ -242,42 +528,117 @@ def checkpoint_iterations(root: str) -> List[int]:
     return sorted(found)
 
 
-def _verified(root: str, iteration: int) -> str:
+def _inside(root: str, path: str) -> bool:
+    real_root = os.path.realpath(root)
+    return os.path.realpath(path).startswith(real_root + os.sep)
+
+
+def _checked_structure(root: str, iteration: int):
+    """Rank 0: (directory, checksums or None) of a structurally intact checkpoint."""
     ckpt = checkpoint_dir(root, iteration)
+    name = os.path.basename(ckpt)
+    if os.path.lexists(ckpt) and not _inside(root, ckpt):
+        raise ConfigError(f"--load {root}: {name} resolves to {os.path.realpath(ckpt)}, outside "
+                          f"--load {root} (a symbolic link); a checkpoint is read only from "
+                          "inside the --load directory: copy it in instead of linking it")
     if not os.path.isdir(ckpt):
         raise ConfigError(f"--load {root}: {TRACKER_FILE} names iteration {iteration} but {ckpt} "
                           "does not exist; fix the tracker file or use another --load")
-    verify_checkpoint(ckpt)
-    return ckpt
+    found = verify_checkpoint(ckpt)
+    files = read_checksums(ckpt)
+    if files is None and found.common.get(CHECKSUMS_KEY):
+        raise ConfigError(f"{os.path.join(ckpt, CHECKSUMS_FILE)} is missing: the checkpoint was "
+                          "saved with checksums; it is incomplete or damaged")
+    if files is not None:
+        unlisted = [n for n in found.needed if n not in files]
+        if unlisted:
+            raise ConfigError(f"--load {root}: {name}/{unlisted[0]} is not in {CHECKSUMS_FILE}: "
+                              "the checkpoint was changed after it was saved")
+    return ckpt, files
+
+
+def _share(files: Dict[str, dict], world: int) -> List[Dict[str, dict]]:
+    """The files split over `world` ranks by size (largest first, to the least loaded)."""
+    shares = [{} for _ in range(world)]
+    loads = [0] * world
+    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
+        least = loads.index(min(loads))
+        shares[least][name] = files[name]
+        loads[least] += files[name]["size"]
+    return shares
+
+
+def _verify_checksums(root: str, ckpt: str, files: Dict[str, dict]) -> None:
+    """Every rank hashes its share of the files; the same one-line ConfigError on every rank
+    for the first damaged file (by name)."""
+    rank, world = _rank_world()
+    try:
+        mine = check_files(ckpt, _share(files, world)[rank])
+    except (Exception, CheckpointException) as exc:
+        mine = (sorted(files)[0], f"could not be checked ({_read_error(exc)})")
+    problems = sorted(p for p in _all_gather(mine) if p is not None)
+    if problems:
+        name, problem = problems[0]
+        label = os.path.basename(ckpt)
+        raise ConfigError(
+            f"--load {root}: {label}/{name} {problem}; its bytes differ from what the save "
+            f"wrote, so {label} could not be read")
+
+
+def _verified(root: str, iteration: int) -> Tuple[str, bool]:
+    """(directory, checksummed) of an intact checkpoint; ConfigError (the same on every
+    rank) otherwise. Rank 0 checks the structure, all ranks share the hashing."""
+    ckpt, files = _on_rank_0(lambda: _checked_structure(root, iteration))
+    if files is not None:
+        _verify_checksums(root, ckpt, files)
+    return ckpt, files is not None
+
+
+def _unverified_note(root: str, ckpt: str) -> str:
+    return (f"note: --load {root}: {os.path.basename(ckpt)} has no {CHECKSUMS_FILE} (saved "
+            "before checkpoints were checksummed): its files are checked for completeness "
+            "only, damage that keeps their sizes cannot be found")
 
 
 def checkpoint_to_load(root: str, fallback: bool = False,
                        log=print) -> Optional[Tuple[int, str]]:
-    """(iteration, directory) of the checkpoint --load will read, verified (complete, metadata
-    that is data and not code: checkpoint_files.py); None when `root` holds none yet.
+    """(iteration, directory) of the checkpoint --load will read, verified (complete,
+    metadata that is data and not code: checkpoint_files.py; inside `root`; checksums);
+    None when `root` holds none yet. Every rank calls this and gets the same answer.
 
     With `fallback` (--load-fallback-to-previous), a chosen checkpoint that fails
     verification is replaced by the newest intact earlier one, which `log` announces.
     """
+    iteration = None
     try:
-        iteration = read_tracker(root)
+        iteration = _on_rank_0(lambda: read_tracker(root))
         if iteration is None:
             return None
-        return iteration, _verified(root, iteration)
+        ckpt, checksummed = _verified(root, iteration)
+        if not checksummed:
+            log(_unverified_note(root, ckpt))
+        return iteration, ckpt
     except ConfigError as exc:
         if not fallback:
+            earlier = iteration is not None and any(
+                i < iteration for i in _on_rank_0(lambda: checkpoint_iterations(root)))
+            if earlier:
+                raise ConfigError(f"{exc}; --load-fallback-to-previous would load the newest "
+                                  "intact earlier checkpoint instead") from None
             raise
         problem = exc
-    chosen = read_tracker_quietly(root)
-    for earlier in reversed(checkpoint_iterations(root)):
+    chosen = _on_rank_0(lambda: read_tracker_quietly(root))
+    for earlier in reversed(_on_rank_0(lambda: checkpoint_iterations(root))):
         if chosen is not None and earlier >= chosen:
             continue
         try:
-            ckpt = _verified(root, earlier)
+            ckpt, checksummed = _verified(root, earlier)
         except ConfigError:
             continue
         log(f"warning: --load {root}: the chosen checkpoint is unusable ({problem}); loading "
             f"the previous intact one, iteration {earlier} (--load-fallback-to-previous)")
+        if not checksummed:
+            log(_unverified_note(root, ckpt))
         return earlier, ckpt
     raise ConfigError(f"{problem}; no intact earlier checkpoint in {root} to fall back to")
 

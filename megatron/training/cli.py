@@ -13,7 +13,7 @@ import time
 import warnings
 
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.errors import ConfigError
+from megatron.training.errors import ConfigError, TrainingError
 from megatron.training.tokenizer import TokenizerError
 
 # megatron-core's warnings when it falls back from TransformerEngine / Apex to torch code.
@@ -54,4 +54,7 @@ def main(forward_step_func, argv=None, extra_args_provider=None,
     except (ConfigError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except TrainingError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     return result.exit_code

@@ -38,6 +38,7 @@ from megatron.training.budget import describe_budget
 from megatron.training.capture_arguments import run_args
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.data_files import check_dataset_files
+from megatron.training.errors import TrainingError
 from megatron.training.precision import describe_precision
 from megatron.training.quant_stats import QuantStatsCallback, stats_interval_warnings
 from megatron.training.wandb_writer import open_wandb, wandb_problem
@@ -422,6 +423,7 @@ def pretrain_with_args(forward_step_func, args, callbacks: Sequence[TrainingCall
     try:
         _pretrain(forward_step_func, args, list(callbacks), result, start_time)
     finally:
+        checkpointing.release_save_lock()
         if not keep_distributed:
             destroy_distributed()
     return result
@@ -447,9 +449,12 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
                  f"(padded to {args.padded_vocab_size})")
 
     # Damaged data files or a damaged or unsafe checkpoint stop the run before anything is built.
-    check_dataset_files(args.data_prefixes)
+    for line in check_dataset_files(args.data_prefixes, tokenizer):   # token ids vs vocabulary
+        print_rank_0(line)
     for line in describe_budget(args):
         print_rank_0(line)
+    if args.save:
+        checkpointing.lock_save_dir(args.save)     # one run per --save directory, until exit
     to_load = checkpointing.checkpoint_to_load(
         args.load, args.load_fallback_to_previous, log=print_rank_0) if args.load else None
     ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
@@ -467,8 +472,19 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     if args.load:
         iteration, consumed_samples = checkpointing.load_checkpoint(
             args.load, to_load, raw_model, optimizer, scheduler, args, log=print_rank_0)
+    loaded_at = iteration or None
 
-    train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
+    try:
+        train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
+    except Exception as exc:   # megatron-core wraps a MemoryError of its builders
+        if not _caused_by_memory(exc):
+            raise
+        raise TrainingError(
+            f"out of memory building the datasets ({type(exc).__name__}): the sample index "
+            f"holds --train-iters {args.train_iters} x --global-batch-size "
+            f"{args.global_batch_size} = {args.train_iters * args.global_batch_size:,} samples "
+            f"of --seq-length {args.seq_length}; lower --global-batch-size or "
+            "--micro-batch-size") from exc
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     train_iter = build_data_iterator(train_ds, consumed_samples, args, dp_rank, dp_size)
@@ -515,8 +531,11 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
             for cb in callbacks:
                 cb.on_iteration_start(iteration + 1)
             micro_batch["index"] = 0
-            loss, grad_norm, skipped = train_step(
-                counted_forward_step, train_iter, ddp_model, optimizer, scheduler, args)
+            try:
+                loss, grad_norm, skipped = train_step(
+                    counted_forward_step, train_iter, ddp_model, optimizer, scheduler, args)
+            except (RuntimeError, MemoryError) as exc:
+                raise _step_failure(exc, iteration + 1, args, saved_at or loaded_at) from exc
             iteration += 1
             consumed_samples += args.global_batch_size
             if loss is not None:
@@ -560,6 +579,39 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
         result.exit_code = 1
     print_rank_0(f"[{_timestamp()}] exiting at iteration {iteration}: {exit_reason} "
                  f"({(time.time() - start_time) / 60:.2f} min)")
+
+
+def _caused_by_memory(exc: BaseException) -> bool:
+    """Whether a MemoryError (or an out-of-memory error) is in exc's cause/context chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _step_failure(exc: BaseException, iteration: int, args, checkpoint_iteration):
+    """The one-line TrainingError for a training step that failed in a way the user can act
+    on (divergence, out of memory); anything else is re-raised as it is."""
+    text = str(exc)
+    where = (f"the last checkpoint is iteration {checkpoint_iteration} in "
+             f"{args.save or args.load}" if checkpoint_iteration else "no checkpoint was saved")
+    if "Unexpected result nan" in text or "Unexpected result inf" in text or "found NaN" in text:
+        what = "NaN" if "nan" in text.lower() else "Inf"
+        return TrainingError(
+            f"training diverged at iteration {iteration}: {what} in the gradients "
+            f"(--lr {args.lr:g}); {where}; lower --lr or raise --lr-warmup-iters, or look at "
+            "the last log lines for the loss and grad norm that led there")
+    if _caused_by_memory(exc):
+        tokens = args.micro_batch_size * args.seq_length
+        return TrainingError(
+            f"out of memory at iteration {iteration} ({type(exc).__name__}): a micro-batch is "
+            f"--micro-batch-size {args.micro_batch_size} x --seq-length {args.seq_length} = "
+            f"{tokens:,} tokens; lower --micro-batch-size (the global batch is kept by more "
+            "micro-batches) or use --recompute-activations")
+    return exc
 
 
 def _exit_reason(args, iteration, start_time, signal_received, callback_stop) -> Optional[str]:
