@@ -149,7 +149,7 @@ class FakeRecorder:
         self.calls = []
 
     def capture(self, info, config, role, iteration, micro_batch, gemm, operand, hp, q, fmt,
-                axis):
+                axis, extra=None):
         self.calls.append((role.tensor_name, iteration, micro_batch, fmt, q is not None))
 
 
@@ -339,7 +339,8 @@ class TestCaptureFile:
          r"--tensor-save-config .*capture\.yaml: rules\[1\]\.kinds 'attention\.weights': "
          r"unknown kind; valid: \[attention\.\|linear\.\]"),
         ("stats: [absmax, l1_norm]\n", r"stats: unknown statistic 'l1_norm'; valid: min, max, "
-                                       r".*hifp8_regions$"),
+                                       r".*hifp8_regions, tensor_scale, "
+                                       r".*block_scale_subnormal_fraction$"),
         ("mode: fast\n", r"mode: 'fast' is not a mode; valid: full, stats, off$"),
         ("rules:\n  - layers: '(layers'\n", r"rules\[0\]\.layers: '\(layers' is not a valid "
                                             r"regular expression"),
@@ -370,8 +371,11 @@ class TestCaptureFile:
     def test_metric_names_are_the_statistics_written(self):
         x = torch.randn(64, 64)
         names = set()
-        for fmt in ("mxfp8_e4m3", "hifp8"):
-            info, error, _ = compute_stats(x, fake_quantize(x, fmt, axis=1), fmt, 1)
+        for fmt, options in (("mxfp8_e4m3", {}), ("hifp8", {}), ("nvfp4", {}),
+                             ("fp8_e4m3", {"scaling": "tensor"}),
+                             ("fp8_e4m3", {"scaling": "block", "block": (1, 128)})):
+            info, error, _ = compute_stats(x, fake_quantize(x, fmt, axis=1, **options), fmt, 1,
+                                           options=options)
             names |= set(info) | set(error)
         assert set(naming.METRICS) == names - {"shape", "dtype", "numel", "device",
                                                "requires_grad", "is_leaf"}

@@ -58,6 +58,56 @@ def test_activations_equal_a_real_cpu_forward(world_size_one, extra):
     assert est.activation_bytes_per_layer == three - two
 
 
+@pytest.mark.parametrize("extra", [
+    ["--quant-recipe", "nvfp4"],
+    ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+    ["--quant-scheme", "FA_linear_mxfp6_e2m3", "--quant-stochastic-rounding", "all",
+     "--quant-rht", "32"],
+], ids=["nvfp4-recipe", "fp8-delayed", "mxfp6-sr-rht"])
+def test_recipes_activations_equal_a_real_cpu_forward(world_size_one, extra):
+    """The new formats and settings save what a real forward saves (the quantized GEMMs keep
+    their high-precision operands; stochastic rounding works on the meta device), and the
+    report names the temporaries they add."""
+    args = me.parse_estimate_args(TINY + ["--num-layers", "3"] + extra)
+    est = me.estimate_memory(args)
+    assert est.activation_bytes_per_micro_batch == real_saved_bytes(args, 3)
+    notes = " ".join(est.notes)
+    assert ("stochastic rounding" in notes) == ("--fp8-format" not in extra)
+    assert ("Hadamard transform" in notes) == ("--fp8-format" not in extra)
+    assert ("delayed scaling" in notes) == ("--fp8-format" in extra)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp6_e3m2", "fp8_e4m3"])
+def test_quantization_temporaries_on_meta_equal_the_real_ones(fmt):
+    """A quantized linear with stochastic rounding (a float32 noise tensor per rounded
+    operand) and the Hadamard transform on wgrad (float32 rotated copies, the 100 tokens
+    zero-padded to 128): the meta device creates the same temporaries as a CPU run."""
+    from megatron.quantization.gemm import (
+        MatmulQuantConfig, OperandFormats, SiteState, quantized_linear)
+    from megatron.training.memory_estimate.kernels import (
+        LargestTemporaryMode, stochastic_rounding_on_meta)
+
+    config = MatmulQuantConfig(
+        fprop=OperandFormats(fmt, fmt), dgrad=OperandFormats(fmt, fmt),
+        wgrad=OperandFormats(fmt, fmt), stochastic=frozenset({"fprop.a", "dgrad.a", "wgrad.b"}),
+        rht_gemms=("wgrad",), rht_block=32, weight_2d=True)
+
+    def temporaries(device):
+        x = torch.randn(100, 256, dtype=torch.bfloat16, device=device, requires_grad=True)
+        w = torch.randn(384, 256, dtype=torch.bfloat16, device=device, requires_grad=True)
+        mode = LargestTemporaryMode()
+        with stochastic_rounding_on_meta(), mode:
+            y = quantized_linear(x, w, None, config, state=SiteState("site", config))
+            y.backward(torch.ones_like(y))
+        return sorted(size for size, _ in mode.outputs.values())
+
+    # (the second call of each: the Hadamard matrix is built once per device and cached)
+    cpu, meta = [[temporaries(device) for _ in range(2)][1] for device in ("cpu", "meta")]
+    assert meta == cpu
+    assert 100 * 256 * 4 in meta                  # the noise of the rounded input
+    assert 128 * 384 * 4 in meta                  # wgrad's rotated, padded dY in float32
+
+
 @pytest.mark.parametrize("layers,recompute", [
     (5, ["--recompute-activations"]),
     # megatron-core's uniform method needs the layer count to be a multiple of the unit.

@@ -128,12 +128,15 @@ def test_telemetry_equals_the_capture_of_the_same_tensors(measured_run):
     assert scalars["quant/worst/flushed_pct"][4] >= worst - 1e-4
 
 
-def test_chunked_attention_reports_what_the_full_scores_path_does(world_size_one):
+@pytest.mark.parametrize("qk,pv", [("mxfp4", "hifp8"), ("nvfp4", "fp8")])
+def test_chunked_attention_reports_what_the_full_scores_path_does(world_size_one, qk, pv):
     """Telemetry accepts pieces: on the chunked path it sees each chunk of Q, P, dS, dO once
-    and K, V once, which adds up to the statistics of the whole operands."""
+    and K, V once, which adds up to the statistics of the whole operands (tensor-scaled
+    operands -- HiFP8 scaled, NVFP4, FP8 per tensor -- come with the whole operand's scale, so
+    their block scales, tensor scales and saturation are those of the whole)."""
     results = {}
     for chunk_rows in (64, None):
-        module = _module(world_size_one, "mxfp4", "hifp8", chunk_rows=chunk_rows or 64,
+        module = _module(world_size_one, qk, pv, chunk_rows=chunk_rows or 64,
                          hifp8_scaling="tensor")
         if chunk_rows is None:
             module.impl = "unfused"

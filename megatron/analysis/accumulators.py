@@ -18,14 +18,25 @@ from megatron.analysis.hifp8 import REGIONS, region_counts_from_hist
 SCALE_MIN, SCALE_MAX = -127, 127            # unbiased E8M0 exponents
 N_SCALE = SCALE_MAX - SCALE_MIN + 1
 
+# NVFP4 block scales: floor(log2 s) of the nonzero E4M3 scales spans 2^-9 (subnormal) .. 448.
+E4M3_EXP_MIN, E4M3_EXP_MAX = -9, 8
+N_E4M3_EXP = E4M3_EXP_MAX - E4M3_EXP_MIN + 1
+
 _SUM_FIELDS = (  # merged by addition
     "records", "bytes", "from_tensors", "n", "nan", "inf", "zeros", "s1", "s2", "s4",
     "q_records", "q_n", "x2", "e2", "q_finite", "q_nonzero", "flushed", "saturated",
     "q_nonfinite", "blocks", "nan_blocks", "rec_sqnr_sum", "rec_sqnr_n", "hifp8_scaled",
+    # NVFP4 blocks (defined scales) with an E4M3 scale of 0 / subnormal; FP8 and NVFP4
+    # records with scales, and their blocks or tiles
+    "nvfp4_blocks", "nvfp4_nan_blocks", "nvfp4_zero_blocks", "nvfp4_subnormal_blocks",
+    "scaled_records", "scale_blocks",
 )
 _FLOAT_ARRAYS = ("regions", "grid_regions")     # counts reconstructed from manifest fractions
 _ARRAY_FIELDS = ("hist", "q_hist", "scaled_hist", "scale_hist", "regions", "grid_hist",
-                 "grid_regions")
+                 "grid_regions", "nvfp4_scale_hist")
+# Extrema of NVFP4 / FP8 scales: per-tensor scales and nonzero block (tile) scales.
+_MIN_FIELDS = ("tensor_scale_min", "block_scale_min")
+_MAX_FIELDS = ("tensor_scale_max", "block_scale_max")
 
 
 class Stats:
@@ -41,13 +52,18 @@ class Stats:
     scaled per tensor, hp otherwise); `grid_regions`: the same from manifest statistics.
     """
 
-    __slots__ = _SUM_FIELDS + _ARRAY_FIELDS + ("absmax", "vmin", "vmax", "rec_sqnr_min")
+    __slots__ = _SUM_FIELDS + _ARRAY_FIELDS + _MIN_FIELDS + _MAX_FIELDS + (
+        "absmax", "vmin", "vmax", "rec_sqnr_min")
 
     def __init__(self):
         for name in _SUM_FIELDS:
             setattr(self, name, 0)
         for name in _ARRAY_FIELDS:
             setattr(self, name, None)
+        for name in _MIN_FIELDS:
+            setattr(self, name, math.inf)
+        for name in _MAX_FIELDS:
+            setattr(self, name, -math.inf)
         self.absmax = 0.0
         self.vmin = math.inf
         self.vmax = -math.inf
@@ -64,6 +80,10 @@ class Stats:
                 continue
             mine = getattr(self, name)
             setattr(self, name, theirs.copy() if mine is None else mine + theirs)
+        for name in _MIN_FIELDS:
+            setattr(self, name, min(getattr(self, name), getattr(other, name)))
+        for name in _MAX_FIELDS:
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
         self.absmax = max(self.absmax, other.absmax)
         self.vmin = min(self.vmin, other.vmin)
         self.vmax = max(self.vmax, other.vmax)
@@ -158,7 +178,39 @@ class Stats:
             q["blocks"] = int(self.blocks)
             q["nan_blocks"] = int(self.nan_blocks)
             q["scale_exponent"] = scale_summary(self.scale_hist)
+        if self.scaled_records:
+            q["scales"] = self._scales()
+        if self.nvfp4_blocks or self.nvfp4_nan_blocks:
+            q["nvfp4_block_scales"] = self._nvfp4_scales()
         return q
+
+    def _scales(self) -> Dict[str, object]:
+        """Ranges of the NVFP4 / FP8 scales: per-tensor scales (NVFP4 2688 / amax, FP8
+        fp8_max / amax), nonzero block or tile scales."""
+        def bound(value):
+            return float(value) if math.isfinite(value) else None
+        return {"records": int(self.scaled_records), "blocks": int(self.scale_blocks),
+                "tensor_scale_min": bound(self.tensor_scale_min),
+                "tensor_scale_max": bound(self.tensor_scale_max),
+                "block_scale_min": bound(self.block_scale_min),
+                "block_scale_max": bound(self.block_scale_max)}
+
+    def _nvfp4_scales(self) -> Dict[str, object]:
+        """NVFP4's E4M3 block scales: shares of zero (the block became 0) and subnormal
+        (below 2^-6) scales over the blocks with a defined scale, and the exponent histogram
+        of the nonzero ones."""
+        hist = self.nvfp4_scale_hist
+        exponents = None
+        if hist is not None and hist.any():
+            nz = np.flatnonzero(hist)
+            exponents = {"min": E4M3_EXP_MIN + int(nz[0]),
+                         "counts": [int(c) for c in hist[nz[0]:nz[-1] + 1]]}
+        return {"blocks": int(self.nvfp4_blocks), "nan_blocks": int(self.nvfp4_nan_blocks),
+                "zero_fraction": _ratio(self.nvfp4_zero_blocks, self.nvfp4_blocks),
+                "subnormal_fraction": _ratio(self.nvfp4_subnormal_blocks, self.nvfp4_blocks),
+                "normal_fraction": _ratio(self.nvfp4_blocks - self.nvfp4_zero_blocks
+                                          - self.nvfp4_subnormal_blocks, self.nvfp4_blocks),
+                "exponent_hist": exponents}
 
 
 def sqnr_db(x2: float, e2: float):

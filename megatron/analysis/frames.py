@@ -9,7 +9,8 @@
 Rows come from the manifests alone (no record file is opened), through the same reader and
 checks as the report: malformed lines are skipped and listed in `frame.attrs["problems"]`.
 The error statistics are those the capture wrote (`quant_error`); `load_tensors` reads the
-record files of chosen rows with torch.load(weights_only=True).
+record files of chosen rows with torch.load(weights_only=True) and `requantize` rebuilds a
+row's quantized tensor from its high-precision one (megatron.tensor_capture.replay).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from megatron.analysis.workers import short_module
 FRAME_COLUMNS = (
     "scheme", "iteration", "micro_batch", "layer", "module", "module_path", "tensor_name",
     "operation", "phase", "component", "gemm", "operand", "format", "scale_mode", "axis",
-    "hifp8_scaling", "hifp8_scale_exponent", "tensor_shape", "tensor_dtype", "numel", "absmax",
+    "hifp8_scaling", "hifp8_scale_exponent", "stochastic_seed", "tensor_amax", "fp8_scaling",
+    "block_2d", "rht_block", "tensor_shape", "tensor_dtype", "numel", "absmax",
     "tensor_std", "mse", "sqnr_db", "relative_error", "flushed_fraction", "saturated_fraction",
-    "nonfinite_fraction", "global_rank", "bytes", "path",
+    "nonfinite_fraction", "tensor_scale", "block_scale_zero_fraction",
+    "block_scale_subnormal_fraction", "global_rank", "bytes", "path",
 )
 # (shape, dtype, std and rank would shadow DataFrame / Series attributes: `row.shape` must not
 # silently be the row's own shape.)
@@ -47,6 +50,14 @@ def _row(entry: Entry) -> tuple:
         "format": m["format"], "scale_mode": m.get("scale_mode") if quantized else None,
         "axis": m.get("axis"), "hifp8_scaling": scaling,
         "hifp8_scale_exponent": m.get("hifp8_scale_exponent") if scaling == "tensor" else None,
+        "stochastic_seed": m.get("stochastic_seed"), "tensor_amax": m.get("tensor_amax"),
+        "fp8_scaling": m.get("fp8_scaling"),
+        "block_2d": bool(m.get("block_2d", False)) if quantized else None,
+        "rht_block": m.get("rht_block"),
+        "tensor_scale": err.get("tensor_scale") if quantized else None,
+        "block_scale_zero_fraction": err.get("block_scale_zero_fraction") if quantized else None,
+        "block_scale_subnormal_fraction":
+            err.get("block_scale_subnormal_fraction") if quantized else None,
         "tensor_shape": tuple(info["shape"]), "tensor_dtype": info["dtype"],
         "numel": info["numel"], "absmax": info.get("absmax"), "tensor_std": info.get("std"),
         "global_rank": m.get("rank", 0),
@@ -82,9 +93,12 @@ def load_frame(tensor_dir, schemes: Optional[Iterable[str]] = None,
             if keep:
                 rows.append(row)
     frame = pd.DataFrame.from_records(rows, columns=list(FRAME_COLUMNS))
-    for column in ("axis", "hifp8_scale_exponent"):
-        frame[column] = frame[column].astype("Int64")
-    for column in ("absmax", "tensor_std") + _ERRORS:
+    for column in ("axis", "hifp8_scale_exponent", "stochastic_seed", "rht_block"):
+        # From the Python ints themselves: a 63-bit seed does not survive a float64 column.
+        index = FRAME_COLUMNS.index(column)
+        frame[column] = pd.array([row[index] for row in rows], dtype="Int64")
+    for column in ("absmax", "tensor_std", "tensor_amax", "tensor_scale",
+                   "block_scale_zero_fraction", "block_scale_subnormal_fraction") + _ERRORS:
         frame[column] = frame[column].astype("float64")
     frame.attrs["problems"] = list(problems.items)
     return frame

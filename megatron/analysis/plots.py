@@ -20,7 +20,8 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from megatron.analysis import forking  # noqa: E402
-from megatron.analysis.accumulators import SCALE_MIN, Stats  # noqa: E402
+from megatron.analysis.accumulators import (  # noqa: E402
+    E4M3_EXP_MAX, E4M3_EXP_MIN, SCALE_MIN, Stats)
 from megatron.analysis.binning import bin_edges_log2  # noqa: E402
 from megatron.analysis.comparison import Common, common_tensors, tensor_id  # noqa: E402
 from megatron.analysis.hifp8 import SIDED_REGIONS, sided_counts_from_hist, zones_log2  # noqa: E402
@@ -176,8 +177,9 @@ def value_distributions(groups: Dict[GroupKey, Stats], outdir: str, colors) -> O
         ax.set_yscale("log")
         ax.set_ylim(bottom=1e-7)
         ax.set_ylabel("fraction of nonzero values per binade")
-        kind = "MX element domain" if mx else ("HiF8, per element" if r.kind == "hifp8"
-                                               else r.kind)
+        kind = "MX element domain" if mx else {
+            "hifp8": "HiF8, per element", "nvfp4": "absolute; E4M3 block + FP32 tensor scales",
+            "fp8": "absolute; FP32 scales"}.get(r.kind, r.kind)
         ax.set_title(f"{fmt} ({kind})")
         ax.grid(alpha=0.3, lw=0.5)
         # Below the axes: the curves' upper-left corner is where data usually is.
@@ -194,7 +196,8 @@ def value_distributions(groups: Dict[GroupKey, Stats], outdir: str, colors) -> O
                        "domain (|x| divided by the block's shared scale), where grey marks "
                        "values flushed to zero, yellow the element subnormals and red the "
                        "saturated values; HiF8 panels are absolute, shaded by mantissa width "
-                       "of the tapered format."}
+                       "of the tapered format; NVFP4 and FP8 panels are absolute too (their "
+                       "scales are in the NVFP4 block-scale figure and the scales table)."}
 
 
 def absolute_distributions(groups, outdir: str, colors) -> Optional[dict]:
@@ -423,6 +426,87 @@ def exponent_span(hists) -> tuple:
     if nz.size == 0:
         return SCALE_MIN, SCALE_MIN
     return SCALE_MIN + int(nz[0]), SCALE_MIN + int(nz[-1])
+
+
+# -- NVFP4 block scales -----------------------------------------------------------------------
+
+_BLOCK_SHARE_COLORS = (("zero", "#d62828"), ("subnormal", "#f4a261"), ("normal", "#2a9d8f"))
+
+
+def nvfp4_block_scales(groups, outdir: str) -> Optional[dict]:
+    """NVFP4's E4M3 block scales per scheme, tensor class and pass: the shares of blocks whose
+    scale is zero, subnormal (below 2^-6) or normal, and the histogram of the nonzero scales'
+    exponents."""
+    merged = merge_by(groups, lambda k: (k.quant_scheme, tensor_class(k.tensor_name),
+                                         k.operation),
+                      lambda k: format_ranges(k.format).kind == "nvfp4")
+    rows = []
+    for (scheme, cls, op), st in merged.items():
+        if not st.nvfp4_blocks:
+            continue
+        total = float(st.nvfp4_blocks)
+        shares = {"zero": st.nvfp4_zero_blocks / total,
+                  "subnormal": st.nvfp4_subnormal_blocks / total}
+        shares["normal"] = max(0.0, 1.0 - shares["zero"] - shares["subnormal"])
+        rows.append((f"{scheme} · {cls} ({_label(op)})", shares, st.nvfp4_scale_hist,
+                     int(st.nvfp4_blocks), (_rank(cls, _CLASSES), op != "forward", scheme)))
+    if not rows:
+        return None
+    rows.sort(key=lambda r: (r[4][2], r[4][0], r[4][1]))
+    fig, (bars, hists) = plt.subplots(1, 2, figsize=(14, 2.2 + 0.5 * len(rows)),
+                                      layout="constrained",
+                                      gridspec_kw={"width_ratios": [1.1, 1.0]})
+    y = np.arange(len(rows))
+    left = np.zeros(len(rows))
+    for name, color in _BLOCK_SHARE_COLORS:
+        share = np.array([r[1][name] for r in rows])
+        bars.barh(y, 100 * share, left=100 * left, color=color, edgecolor="white", lw=0.4,
+                  label={"zero": "scale 0 (block -> 0)", "subnormal": "subnormal (< 2^-6)",
+                         "normal": "normal"}[name])
+        for j, v in enumerate(share):
+            if v >= 0.08:
+                bars.text(100 * (left[j] + v / 2), j, f"{100 * v:.3g}%", ha="center",
+                          va="center", fontsize=7.5)
+        left += share
+
+    def row_label(r):
+        small = ", ".join(f"{name} {100 * r[1][name]:.2g}%" for name in ("zero", "subnormal")
+                          if r[1][name] > 0)
+        return f"{r[0]}\n{r[3]:,} blocks" + (f": {small}" if small else "")
+
+    bars.set_yticks(y, [row_label(r) for r in rows], fontsize=8)
+    bars.invert_yaxis()
+    bars.set_xlim(0, 100)
+    bars.set_xlabel("share of blocks [%]")
+    bars.legend(ncol=3, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+                frameon=False)
+    exps = np.arange(E4M3_EXP_MIN, E4M3_EXP_MAX + 1)
+    hists.axvspan(E4M3_EXP_MIN - 0.5, -6.5, color="#ffe8a3", alpha=0.7, lw=0,
+                  label="E4M3 subnormal scales")
+    cmap = plt.get_cmap("tab10")
+    for i, (label, _, hist, _, _) in enumerate(rows):
+        if hist is None or not hist.any():
+            continue
+        hists.stairs(hist / hist.sum(), np.append(exps, exps[-1] + 1) - 0.5, color=cmap(i % 10),
+                     lw=1.5, ls="-" if "(fwd)" in label else "--", label=label)
+    hists.set_xlim(E4M3_EXP_MIN - 0.5, E4M3_EXP_MAX + 0.5)
+    hists.xaxis.set_major_locator(MaxNLocator(integer=True))
+    hists.set_xlabel("floor(log2 s) of the nonzero E4M3 block scales s (448 = 1.75 * 2^8)")
+    hists.set_ylabel("fraction of nonzero-scale blocks")
+    hists.grid(alpha=0.3, lw=0.5)
+    hists.legend(fontsize=7, loc="upper left", frameon=False)
+    fig.suptitle("NVFP4 block scales (E4M3): zero and subnormal shares, exponent spread",
+                 fontsize=12)
+    return {"file": save_figure(fig, outdir, "nvfp4_block_scales.png"),
+            "title": "NVFP4 block scales",
+            "caption": "Left: share of the NVFP4 blocks (16 elements, or 16x16 weight tiles) "
+                       "whose E4M3 scale rounded to 0 (the whole block became 0; all-zero "
+                       "blocks count here too), is subnormal (below 2^-6: few significant "
+                       "bits, and elements may saturate at 6 times the scale) or normal, per "
+                       "quant type, tensor class and pass. Right: distribution of the "
+                       "exponents of the nonzero block scales; the per-tensor float32 scale "
+                       "2688 / amax puts the block with the tensor's amax at 448 (exponent 8), "
+                       "so the spread shows how far blocks sit below the tensor's largest."}
 
 
 # -- HiFP8 regions ----------------------------------------------------------------------------
@@ -656,6 +740,7 @@ _FIGURES = (
     ("absolute_distributions", True, False, "shared"),
     ("error_heatmap", False, True, "all"),
     ("scale_exponents", True, False, "quantized"),
+    ("nvfp4_block_scales", False, False, "all"),
     ("hifp8_regions", False, False, "all"),
     ("forward_backward", True, False, "quantized"),
     ("forward_backward_layers", True, False, "quantized"),

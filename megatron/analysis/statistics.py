@@ -21,7 +21,7 @@ from megatron.analysis.accumulators import Stats
 from megatron.analysis.binning import E_MAX, E_MIN, NBINS, SUB, bin_edges_log2
 from megatron.analysis.comparison import common_tensors, comparison_section
 from megatron.analysis.loading import INCOMPLETE_RUN
-from megatron.analysis.ranges import format_ranges
+from megatron.analysis.ranges import describe, format_ranges, scale_description
 from megatron.analysis.workers import KEY_FIELDS, GroupKey
 
 SCHEMA_VERSION = 2
@@ -169,6 +169,7 @@ def build(result, captures, problems, inputs: dict, losses: Optional[dict] = Non
         for scheme in common.schemes}
     doc["format_comparison"] = format_comparison(common.quantized_operands(groups))
     doc["format_comparison_all"] = format_comparison(groups)
+    doc["scales"] = scale_section(groups)
     doc["groups"] = [dict(zip(OUTPUT_KEY_FIELDS, key), metrics=stats.metrics())
                      for key, stats in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))]
     doc["histograms"] = histogram_entries(groups)
@@ -203,7 +204,26 @@ def _format_dict(name: str) -> dict:
     r = format_ranges(name)
     return {"kind": r.kind, "block_size": r.block_size, "emax_elem": r.emax_elem,
             "max_normal": r.max_normal, "min_normal": r.min_normal,
-            "min_subnormal": r.min_subnormal, "mantissa_bits": r.mantissa_bits}
+            "min_subnormal": r.min_subnormal, "mantissa_bits": r.mantissa_bits,
+            "scale": scale_description(name), "description": describe(name)}
+
+
+def scale_section(groups: Dict[GroupKey, Stats]) -> List[dict]:
+    """One row per (scheme, format, tensor class, operation) of the NVFP4 and FP8 operands:
+    their scales (docs/analysis.md, "scales")."""
+    rows = []
+    merged = merge_by(groups, lambda k: (k.quant_scheme, k.format, tensor_class(k.tensor_name),
+                                         k.operation),
+                      lambda k: format_ranges(k.format).kind in ("nvfp4", "fp8"))
+    for (scheme, fmt, cls, op), stats in merged.items():
+        q = stats.metrics()["quantization"] or {}
+        if not q.get("scales"):
+            continue
+        rows.append({OUTPUT_SCHEME_KEY: scheme, "format": fmt, "tensor_class": cls,
+                     "operation": op, "records": q["records"],
+                     "saturated_fraction": q.get("saturated_fraction"), **q["scales"],
+                     "nvfp4_block_scales": q.get("nvfp4_block_scales")})
+    return rows
 
 
 def _capture_summary(quant_scheme: str, captures, result) -> dict:

@@ -17,6 +17,12 @@ Conventions (docs/analysis.md):
   ('floor': floor(log2 amax) - emax_elem; 'rceil': ceil(log2(amax / max_normal)); clamped to
   [-127, 127]; amax 0 -> -127); an element is saturated when |x| > max_normal * 2^scale;
 - HiFP8: saturated = finite x whose |q| >= 32768 (largest finite, or Inf);
+- NVFP4 and FP8: the scales are recomputed from x with the record's format options
+  (metadata block_2d, tensor_amax, fp8_scaling, fp8_block, fp8_margin, fp8_pow2_scale, through
+  megatron.tensor_capture.replay and .stats, the capture's own definitions); saturated =
+  elements the element clamp changed (scaled |v| > 464 for E4M3, >= 61440 for E5M2, >= 7
+  for NVFP4's E2M1); NVFP4 block scales add zero / subnormal counts and an E4M3 exponent
+  histogram;
 - flushed = finite nonzero x whose q is 0 (either sign).
 """
 
@@ -29,9 +35,11 @@ import numpy as np
 import torch
 
 from megatron.analysis import bf16path, binning
-from megatron.analysis.accumulators import N_SCALE, SCALE_MAX, SCALE_MIN, Stats
+from megatron.analysis.accumulators import (
+    E4M3_EXP_MAX, E4M3_EXP_MIN, N_E4M3_EXP, N_SCALE, SCALE_MAX, SCALE_MIN, Stats)
 from megatron.analysis.hifp8 import regions_from_fractions
 from megatron.analysis.ranges import FormatRanges
+from megatron.tensor_capture.stats import SCALED_KINDS, scale_stats
 
 CHUNK_ELEMENTS = 1 << 17
 _INF_BITS = 0x7F800000
@@ -77,8 +85,10 @@ def _pad(a: np.ndarray, width: int) -> np.ndarray:
 
 
 def summarize_tensors(x: torch.Tensor, q: Optional[torch.Tensor], fmt: FormatRanges,
-                      axis: int = -1, scale_mode: str = "floor") -> Stats:
-    """Statistics of one record's tensor `x` and (if quantized) its copy `q` in format `fmt`."""
+                      axis: int = -1, scale_mode: str = "floor",
+                      options: Optional[dict] = None) -> Stats:
+    """Statistics of one record's tensor `x` and (if quantized) its copy `q` in format `fmt`;
+    `options` are an NVFP4 / FP8 record's format options (replay.stats_options)."""
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"unsupported dtype {x.dtype}")
     if q is not None and tuple(q.shape) != tuple(x.shape):
@@ -93,6 +103,7 @@ def summarize_tensors(x: torch.Tensor, q: Optional[torch.Tensor], fmt: FormatRan
     mx = q is not None and fmt.kind == "mx" and bool(fmt.block_size)
     if bf16path.applies(x, q, mx):
         bf16path.summarize(st, x, q, fmt)
+        _scaled(st, x, q, fmt, axis, options)
         _close(st, q)
         return st
     width = int(fmt.block_size) if mx else None
@@ -113,8 +124,46 @@ def summarize_tensors(x: torch.Tensor, q: Optional[torch.Tensor], fmt: FormatRan
             qc = qr[r0:r1] if cols is None else qr[:, cols[0]:cols[1]]
         _chunk(st, hist, xc, qc, fmt, width, scale_mode)
     st.add_array("hist", hist)
+    _scaled(st, x, q, fmt, axis, options)
     _close(st, q)
     return st
+
+
+def _scaled(st: Stats, x: torch.Tensor, q: Optional[torch.Tensor], fmt: FormatRanges,
+            axis: int, options: Optional[dict]) -> None:
+    """Saturation and scales of an NVFP4 / FP8 record (scales recomputed from x)."""
+    if q is None or fmt.kind not in SCALED_KINDS:
+        return
+    sc = scale_stats(x, fmt.name, axis, options, all_finite=st.nan == 0 and st.inf == 0)
+    saturated, blocks, nan_blocks, zero, subnormal = (
+        int(v) for v in (sc.saturated, sc.blocks, sc.nan_blocks, sc.zero_blocks,
+                         sc.subnormal_blocks))
+    st.saturated += saturated
+    _add_scales(st, fmt, None if sc.tensor_scale is None else float(sc.tensor_scale),
+                float(sc.block_min), float(sc.block_max), blocks, nan_blocks, zero, subnormal)
+    if fmt.kind == "nvfp4" and sc.block_scales is not None:
+        _, exponents = np.frexp(sc.block_scales[sc.valid].double().numpy())
+        st.add_array("nvfp4_scale_hist", np.bincount(
+            np.clip(exponents - 1, E4M3_EXP_MIN, E4M3_EXP_MAX) - E4M3_EXP_MIN,
+            minlength=N_E4M3_EXP))
+
+
+def _add_scales(st: Stats, fmt: FormatRanges, tensor_scale: Optional[float], block_min,
+                block_max, blocks: int, nan_blocks: int, zero: int, subnormal: int) -> None:
+    st.scaled_records += 1
+    st.scale_blocks += blocks
+    if tensor_scale is not None and math.isfinite(tensor_scale):
+        st.tensor_scale_min = min(st.tensor_scale_min, tensor_scale)
+        st.tensor_scale_max = max(st.tensor_scale_max, tensor_scale)
+    if block_min is not None and math.isfinite(block_min):
+        st.block_scale_min = min(st.block_scale_min, block_min)
+    if block_max is not None and math.isfinite(block_max):
+        st.block_scale_max = max(st.block_scale_max, block_max)
+    if fmt.kind == "nvfp4":
+        st.nvfp4_blocks += blocks - nan_blocks
+        st.nvfp4_nan_blocks += nan_blocks
+        st.nvfp4_zero_blocks += zero
+        st.nvfp4_subnormal_blocks += subnormal
 
 
 def _close(st: Stats, q: Optional[torch.Tensor]) -> None:
@@ -211,7 +260,7 @@ def _errors(st: Stats, x32, q32, bits, finite, zeros_x, s2, fmt: FormatRanges, w
         if int(qabs.max()) >= limit:
             sat = qabs >= limit
             st.saturated += int(np.count_nonzero(sat if finite is None else sat & finite))
-    elif fmt.max_normal:
+    elif fmt.max_normal and fmt.kind not in SCALED_KINDS:   # scaled formats: _scaled
         limit = int(np.float32(fmt.max_normal).view(np.int32))
         sat = bits > limit
         st.saturated += int(np.count_nonzero(sat if finite is None else sat & finite))
@@ -325,6 +374,8 @@ def summarize_manifest_only(tensor_info: dict, quant_error: Optional[dict],
             st.add_array("scale_hist", scale_hist_from_manifest(hist))
             st.nan_blocks = int(quant_error.get("nan_blocks") or 0)
             st.blocks = int(sum(hist["counts"])) + st.nan_blocks
+        if fmt.kind in SCALED_KINDS:
+            _scaled_from_manifest(st, fmt, quant_error)
         grid = quant_error.get("hifp8_regions")
         unscaled = quant_error.get("hifp8_regions_unscaled") if hifp8_scaled else grid
         if unscaled:
@@ -334,6 +385,26 @@ def summarize_manifest_only(tensor_info: dict, quant_error: Optional[dict],
             st.hifp8_scaled = int(hifp8_scaled)
         st.close_record()
     return st
+
+
+def _scaled_from_manifest(st: Stats, fmt: FormatRanges, quant_error: dict) -> None:
+    """NVFP4 / FP8 scales of a record saved without tensors, from its quant_error."""
+    blocks = int(quant_error.get("blocks") or 0)
+    nan_blocks = int(quant_error.get("nan_blocks") or 0) if blocks else 0
+    defined = max(blocks - nan_blocks, 0)
+    fraction = lambda key: _num(quant_error.get(key)) or 0.0  # noqa: E731
+    _add_scales(st, fmt, _num(quant_error.get("tensor_scale")),
+                _num(quant_error.get("block_scale_min")),
+                _num(quant_error.get("block_scale_max")), blocks, nan_blocks,
+                int(round(fraction("block_scale_zero_fraction") * defined)),
+                int(round(fraction("block_scale_subnormal_fraction") * defined)))
+    hist = quant_error.get("block_scale_hist")
+    if fmt.kind == "nvfp4" and hist and hist.get("min") is not None:
+        out = np.zeros(N_E4M3_EXP, dtype=np.int64)
+        for i, count in enumerate(hist.get("counts") or []):
+            e = min(max(int(hist["min"]) + i, E4M3_EXP_MIN), E4M3_EXP_MAX)
+            out[e - E4M3_EXP_MIN] += int(count)
+        st.add_array("nvfp4_scale_hist", out)
 
 
 def scale_hist_from_manifest(hist: dict) -> np.ndarray:

@@ -12,6 +12,15 @@ zeros so that saturation, flushing and HiF8's regions are all exercised. With
 `hifp8_scaling="tensor"`, HiF8 operands are quantized with one per-tensor power-of-two scale
 (`hifp8_scaled_fake_quantize`) and carry the metadata keys `hifp8_scaling` and
 `hifp8_scale_exponent`, as training writes them.
+
+NVFP4, MXFP6 and FP8 schemes (`linear_nvfp4`, `FA_linear_mxfp6_e2m3`, `linear_fp8`, ...) are
+quantized as training quantizes them, through megatron.quantization.gemm.quantize_operand, and
+carry the same metadata (megatron.tensor_capture.replay): `fp8_recipe` picks FP8's scaling
+(`tensorwise`, `delayed` -- the scale from an amax of 3/4 of the tensor's own, so that the
+values above it saturate, as a tensor that outgrew its history does -- or `blockwise`),
+`weight_2d` quantizes NVFP4 / FP8-blockwise weights in 2-D tiles, `stochastic` rounds the
+gradient operands stochastically (seeded, with `stochastic_seed` in the metadata). FP8 schemes
+quantize in E4M3 (fp8_e4m3). Their records also hold the operand's scales (`scales`).
 """
 
 from __future__ import annotations
@@ -23,12 +32,16 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.quantization.formats import (canonical_format, fake_quantize,
+from megatron.quantization.formats import (canonical_format, fake_quantize, format_info,
                                           hifp8_scale_exponent, hifp8_scaled_fake_quantize)
+from megatron.quantization.gemm import Fp8Settings, MatmulQuantConfig, quantize_operand
 from megatron.quantization.schemes import scheme_formats as scheme_site_formats
 from megatron.tensor_capture import format as capture_format
+from megatron.tensor_capture.replay import operand_metadata, own_amax, quantize_options
 from megatron.tensor_capture.roles import role_for
-from megatron.tensor_capture.stats import quant_error, tensor_info
+from megatron.tensor_capture.stats import block_scales, quant_error, tensor_info
+
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -86,7 +99,8 @@ def scheme_formats(quant_scheme: str) -> Tuple[str, str]:
     """(linear format, attention QK^T format) of a scheme name, canonical ('none' where not
     quantized)."""
     linear, attention = scheme_site_formats(quant_scheme)
-    return tuple(fmt if fmt == "none" else canonical_format(fmt) for fmt in (linear, attention))
+    return tuple(fmt if fmt == "none" else canonical_format("fp8_e4m3" if fmt == "fp8" else fmt)
+                 for fmt in (linear, attention))
 
 
 def _shape(symbol: str, dims: Dict[str, int], module: str) -> Tuple[int, ...]:
@@ -134,16 +148,23 @@ def write_capture(root: str, quant_schemes: Sequence[str] = ("bf16", "FA_linear_
                   scale_mode: str = "floor", seed: int = 0, run_id: str = "20260101_000000",
                   reuse_tensors: bool = False, modules: Sequence[str] = LINEAR_MODULES,
                   attention: bool = True, hifp8_scaling: str = "none",
-                  run_args: Optional[dict] = None) -> Dict[str, List[str]]:
+                  run_args: Optional[dict] = None, fp8_recipe: str = "tensorwise",
+                  weight_2d: bool = False, stochastic: bool = False) -> Dict[str, List[str]]:
     """Write a full-mode capture under `root`; returns {quant_scheme: [record paths]}.
 
     `reuse_tensors` draws each (layer, module, role) once and saves it for every iteration
     and micro-batch (fast generation of large captures for benchmarks). `hifp8_scaling`:
     "none" or "tensor" (per-tensor scaled HiF8 operands). `run_args` are added to the run
-    file's `args` (the training flags a real run records).
+    file's `args` (the training flags a real run records). `fp8_recipe`, `weight_2d` and
+    `stochastic`: see the module docstring.
     """
     if hifp8_scaling not in ("none", "tensor"):
         raise ValueError(f"hifp8_scaling must be 'none' or 'tensor', got {hifp8_scaling!r}")
+    if fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got "
+                         f"{fp8_recipe!r}")
+    recipe = _Recipe(MatmulQuantConfig(scale_mode=scale_mode, weight_2d=weight_2d,
+                                       fp8=Fp8Settings(recipe=fp8_recipe)), stochastic)
     iterations = tuple(iterations)
     dims = dict(seq=seq, batch=batch, hidden=hidden, ffn=ffn, heads=heads, groups=groups)
     written: Dict[str, List[str]] = {}
@@ -179,18 +200,18 @@ def write_capture(root: str, quant_schemes: Sequence[str] = ("bf16", "FA_linear_
                                     continue     # recorded only when its GEMM quantizes it
                                 key = (layer, module, role.tensor_name)
                                 if reuse_tensors and key in cache:
-                                    x, q, meta_fmt, info, err, k = cache[key]
+                                    x, q, meta_fmt, info, err, k, how = cache[key]
                                 else:
-                                    x, q, meta_fmt, info, err, k = _operand(
+                                    x, q, meta_fmt, info, err, k, how = _operand(
                                         role, dims, module, layer, gen, dtype, fmt, scale_mode,
-                                        hifp8_scaling)
-                                    cache[key] = (x, q, meta_fmt, info, err, k)
+                                        hifp8_scaling, recipe, counter)
+                                    cache[key] = (x, q, meta_fmt, info, err, k, how)
                                 counter += 1
                                 meta = _metadata(run_id, counter, scheme, layer, module,
                                                  component, role, iteration, mb, meta_fmt,
-                                                 scale_mode, k)
+                                                 scale_mode, k, how)
                                 path = _write_record(directory, run_id, counter, module, meta,
-                                                     x, q, info, err)
+                                                     x, q, info, err, how)
                                 nbytes = os.path.getsize(path)
                                 manifest.write(capture_format.json_line(
                                     capture_format.manifest_entry(os.path.basename(path),
@@ -216,29 +237,76 @@ def _requantized_copy(role: Role) -> bool:
     return role.tensor_name.endswith(("_dgrad", "_wgrad"))
 
 
-def _operand(role: Role, dims, module, layer, gen, dtype, fmt, scale_mode, hifp8_scaling):
+@dataclass(frozen=True)
+class _Recipe:
+    config: MatmulQuantConfig      # weight_2d and the FP8 settings of every site
+    stochastic: bool               # SR of the gradient operands
+
+
+@dataclass
+class _How:
+    """How an NVFP4 / FP8 / stochastically rounded operand was quantized: its metadata keys
+    (replay.operand_metadata) and format options."""
+
+    metadata: dict
+    options: dict
+
+
+def _recipe_quantize(x, role: Role, fmt: str, recipe: _Recipe, counter: int):
+    """(q, _How) of an operand quantized as a training run with `recipe` would."""
+    config, kind = recipe.config, format_info(fmt).kind
+    extra = {}
+    if role.kind == "weight" and config.weight_tiles(fmt):
+        extra["weight"] = True
+    if kind == "fp8" and config.fp8.recipe == "delayed":
+        # A history 3/4 of the tensor's own amax: the top quarter saturates.
+        amax = own_amax(x, fmt, {"scaling": "tensor"})
+        extra["amax"] = torch.tensor(0.75 * amax, dtype=torch.float32)
+    if recipe.stochastic and role.kind == "grad" and kind in ("mx", "nvfp4", "fp8"):
+        extra["seed"] = 1000 + counter
+    options = quantize_options(config, fmt, x.dim(), weight=bool(extra.get("weight")),
+                               amax=None if "amax" not in extra else float(extra["amax"]))
+    q = quantize_operand(x, fmt, role.axis, config, **extra)
+    metadata = operand_metadata(config, fmt, x, options, extra)
+    if "seed" in extra:
+        options["stochastic"] = True
+    return q, _How(metadata, options)
+
+
+def _operand(role: Role, dims, module, layer, gen, dtype, fmt, scale_mode, hifp8_scaling,
+             recipe: _Recipe, counter: int):
     """(x, quantized x or None, its format, tensor_info, quant_error, HiF8 scale exponent k or
-    None) of one operand."""
-    x = _values(role, _shape(role.shape, dims, module), layer, gen).to(dtype)
+    None, _How or None) of one operand."""
+    x = _values(role, _shape(role.shape, dims, module), layer, gen)
     quantized = _quantized(role, fmt)
     meta_fmt = fmt if quantized else "none"
-    k = None
+    if meta_fmt == "nvfp4" and role.kind == "grad":
+        # Rows of nearly vanished gradient (masked tokens): blocks whose E4M3 scale is
+        # subnormal (x 1e-3) or rounds to zero (x 1e-6) next to the tensor's amax.
+        flat = x.view(-1)
+        n = flat.numel()
+        flat[: n // 8] *= 1e-3
+        flat[n // 8: n // 8 + n // 16] *= 1e-6
+    x = x.to(dtype)
+    k = how = None
     if meta_fmt == "hifp8" and hifp8_scaling == "tensor":
         k = int(hifp8_scale_exponent(x))
         q = hifp8_scaled_fake_quantize(x)
+    elif quantized and (format_info(meta_fmt).kind in ("nvfp4", "fp8") or recipe.stochastic):
+        q, how = _recipe_quantize(x, role, meta_fmt, recipe, counter)
     elif quantized:
         q = fake_quantize(x, meta_fmt, axis=role.axis, scale_mode=scale_mode,
                           saturate=True if meta_fmt == "hifp8" else None)
     else:
         q = None
     info = tensor_info(x)
-    err = quant_error(x, q, meta_fmt, role.axis, scale_mode, hifp8_scale_exponent=k) \
-        if q is not None else None
-    return x, q, meta_fmt, info, err, k
+    err = quant_error(x, q, meta_fmt, role.axis, scale_mode, hifp8_scale_exponent=k,
+                      options=how.options if how else None) if q is not None else None
+    return x, q, meta_fmt, info, err, k, how
 
 
 def _metadata(run_id, counter, scheme, layer, module, component, role, iteration, mb,
-              fmt, scale_mode, hifp8_k=None):
+              fmt, scale_mode, hifp8_k=None, how: Optional[_How] = None):
     path = (f"decoder.layers.{layer - 1}.self_attention.core_attention" if component ==
             "attention" else f"decoder.layers.{layer - 1}.mlp.{module}")
     meta = {
@@ -258,12 +326,16 @@ def _metadata(run_id, counter, scheme, layer, module, component, role, iteration
             meta["hifp8_scaling"] = "none" if hifp8_k is None else "tensor"
             if hifp8_k is not None:
                 meta["hifp8_scale_exponent"] = hifp8_k
+        if how is not None:
+            meta.update(how.metadata)
     return meta
 
 
-def _write_record(directory, run_id, counter, module, meta, x, q, info, err) -> str:
+def _write_record(directory, run_id, counter, module, meta, x, q, info, err,
+                  how: Optional[_How] = None) -> str:
     path = os.path.join(directory, capture_format.record_file_name(run_id, counter, meta, module))
     tmp = path + ".tmp"
-    torch.save(capture_format.record_dict(x, info, meta, q, err), tmp)
+    scales = block_scales(x, meta["format"], meta["axis"], how.options) if how else None
+    torch.save(capture_format.record_dict(x, info, meta, q, err, scales), tmp)
     os.replace(tmp, path)
     return path

@@ -168,6 +168,40 @@ def hifp8_table(doc: dict) -> Optional[Table]:
                  + REGION_HEADERS, rows, notes)
 
 
+def _scale_range(low, high) -> Optional[str]:
+    if low is None or high is None:
+        return None
+    return fmt(low) if low == high else f"{fmt(low)}..{fmt(high)}"
+
+
+def scales_table(doc: dict) -> Optional[Table]:
+    """NVFP4 and FP8 operands: their per-tensor and block scales, and for NVFP4 the shares of
+    blocks whose E4M3 scale is zero or subnormal."""
+    rows = []
+    for r in doc.get("scales") or []:
+        nv = r.get("nvfp4_block_scales") or {}
+        rows.append([_t(r[OUTPUT_SCHEME_KEY]), _t(r["format"]), _t(r["tensor_class"]),
+                     _t(r["operation"]), (r["records"], "int"),
+                     _t(_scale_range(r.get("tensor_scale_min"), r.get("tensor_scale_max"))),
+                     (r.get("blocks") or None, "int"),
+                     _t(_scale_range(r.get("block_scale_min"), r.get("block_scale_max"))),
+                     (nv.get("zero_fraction"), "pct"), (nv.get("subnormal_fraction"), "pct"),
+                     (r.get("saturated_fraction"), "pct")])
+    if not rows:
+        return None
+    return Table("scales", "Scales of NVFP4 and FP8 operands",
+                 ["quant type", "format", "tensors", "operation", "records", "tensor scale",
+                  "blocks", "block scales", "zero scale", "subnormal scale", "saturated"],
+                 rows,
+                 ["Tensor scale: NVFP4's float32 2688 / amax, FP8's fp8_max / amax (from the "
+                  "delayed amax under delayed scaling), over the records. Block scales: the "
+                  "nonzero NVFP4 E4M3 block scales, the FP8 blockwise tile scales. Zero / "
+                  "subnormal scale: the share of NVFP4 blocks whose E4M3 scale is 0 (the whole "
+                  "block became 0; all-zero blocks included) or below 2^-6 (subnormal: coarse "
+                  "scale, elements may saturate at 6). Saturated: elements the clamp changed "
+                  "(NVFP4 |v| >= 7, FP8 beyond max + half a step)."])
+
+
 def loss_table(doc: dict) -> Optional[Table]:
     losses = doc.get("losses") or {}
     if not losses.get("table"):
@@ -230,13 +264,22 @@ def telemetry_table(doc: dict) -> Optional[Table]:
                      (sat.get("value"), "pct100"), _t(_where(sat or None)),
                      (flushed.get("value"), "pct100"), _t(_where(flushed or None)),
                      ((s.get("max_amax") or {}).get("value"), "g"), _t(_nonfinite(s))])
-    return Table("telemetry", "Quantization telemetry (TensorBoard)",
-                 ["quant type", "iterations (points)", "quantized operands",
-                  "mean SQNR dB (last)", "worst SQNR dB (last)", "worst operand",
-                  "max saturated", "where", "max flushed", "where", "max amax",
-                  "NaN/Inf"], rows,
-                 ["From the quant/... scalars training logs with --quant-stats-interval; "
-                  "'last' is the last logged iteration."])
+        blocks = [s.get("max_block_scale_zero_pct"), s.get("max_block_scale_subnormal_pct")]
+        if any(blocks):
+            rows[-1].append(_t(" / ".join(fmt((b or {}).get("value"), "pct100")
+                                         for b in blocks)))
+    nvfp4 = any(len(row) > 12 for row in rows)
+    headers = ["quant type", "iterations (points)", "quantized operands",
+               "mean SQNR dB (last)", "worst SQNR dB (last)", "worst operand",
+               "max saturated", "where", "max flushed", "where", "max amax", "NaN/Inf"]
+    notes = ["From the quant/... scalars training logs with --quant-stats-interval; "
+             "'last' is the last logged iteration."]
+    if nvfp4:
+        headers.append("NVFP4 zero / subnormal block scales (max)")
+        rows = [row + [_t(None)] * (len(headers) - len(row)) for row in rows]
+        notes.append("NVFP4: the largest share, over operands and iterations, of blocks whose "
+                     "E4M3 scale is 0 / subnormal (below 2^-6).")
+    return Table("telemetry", "Quantization telemetry (TensorBoard)", headers, rows, notes)
 
 
 def study_table(doc: dict) -> Optional[Table]:
@@ -258,5 +301,5 @@ def all_tables(doc: dict) -> List[Table]:
     tables: Sequence[Optional[Table]] = (
         [run_table(doc), study_table(doc), captures_table(doc), format_table(doc)]
         + tensor_tables(doc)
-        + [hifp8_table(doc), loss_table(doc), telemetry_table(doc)])
+        + [scales_table(doc), hifp8_table(doc), loss_table(doc), telemetry_table(doc)])
     return [t for t in tables if t is not None]

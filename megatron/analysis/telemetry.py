@@ -8,8 +8,11 @@ Tags (step = training iteration):
 
 `site` is `L{layer}.{module}` (`L1.core_attention.qk`, `L0.output_layer`,
 `L3.expert5_linear_fc1`). Quantized operands carry `saturated_pct flushed_pct sqnr_db
-rel_error amax`, MX operands also `scale_exp_min scale_exp_max`, HiF8 operands the
-`hifp8_*_pct` region shares; operands of an unquantized scheme carry only `amax`; an operand
+rel_error amax`, MX operands (MXFP8, MXFP6, MXFP4) also `scale_exp_min scale_exp_max`, HiF8
+operands the `hifp8_*_pct` region shares, NVFP4 operands `block_scale_zero_pct
+block_scale_subnormal_pct tensor_scale_min tensor_scale_max block_scale_min block_scale_max`,
+FP8 operands `tensor_scale_min tensor_scale_max` (per-tensor scaling) or `block_scale_min
+block_scale_max` (blockwise); operands of an unquantized scheme carry only `amax`; an operand
 that held NaN/Inf carries `nonfinite` = 1 (and amax) instead.
 
 Event files sit in `{tensorboard_dir}` itself or in one sub-directory per scheme
@@ -190,6 +193,10 @@ def summary(frame, sources: List[str]) -> dict:
             "max_flushed_pct": _worst(rows, "flushed_pct", largest=True),
             "max_amax": _worst(rows, "amax", largest=True),
             "nonfinite": _nonfinite(rows),
+            # NVFP4 operands: the largest shares of blocks with a zero / subnormal E4M3 scale
+            "max_block_scale_zero_pct": _worst(rows, "block_scale_zero_pct", largest=True),
+            "max_block_scale_subnormal_pct": _worst(rows, "block_scale_subnormal_pct",
+                                                    largest=True),
         }
     return {"sources": list(sources), "schemes": schemes,
             "unparsed_tags": list(frame.attrs.get("unparsed_tags", []))}

@@ -18,8 +18,10 @@ from typing import Callable, Optional, Sequence, Tuple
 
 from megatron.analysis.hifp8 import REGIONS
 from megatron.quantization.formats import FORMAT_NAMES, MAX_SHARED_EXPONENT, \
-    MIN_SHARED_EXPONENT, SCALE_MODES
+    MIN_SHARED_EXPONENT, SCALE_MODES, format_info
+from megatron.quantization.gemm import RHT_BLOCKS
 from megatron.tensor_capture import format as capture_format
+from megatron.tensor_capture.replay import FP8_SCALINGS
 
 # Bounds far beyond any real capture, so that a corrupted number cannot overflow a sum or
 # allocate a histogram of absurd size.
@@ -28,6 +30,12 @@ MAX_INDEX = 1 << 31                # iterations, micro-batches, layers, ranks
 MAX_DIMS = 16
 MAX_TEXT = 1000
 HIFP8_SCALINGS = ("none", "tensor")
+MAX_SEED = (1 << 63) - 1           # stochastic-rounding seeds are 63-bit
+FP8_BLOCKS = ([1, 128], [128, 128])
+# floor(log2) of a block scale: E4M3 scales lie in [2^-9, 448], FP8 tile scales in float32's
+# range (2^-149 .. 2^128).
+SCALE_EXPONENT_RANGE = (-160, 160)
+STOCHASTIC_KINDS = ("mx", "nvfp4", "fp8")
 FLOAT_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+-]*$")
 
@@ -139,6 +147,54 @@ def exponent_histogram() -> Check:
     return check
 
 
+def amax_value() -> Check:
+    """A tensor amax: a number >= 0, inf or nan (an operand holding NaN / Inf)."""
+    def check(value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                value = float(value)
+            except OverflowError:
+                return "a number >= 0 (inf or nan for an operand holding them)"
+            if math.isnan(value) or value >= 0:
+                return None
+        return "a number >= 0 (inf or nan for an operand holding them)"
+    return check
+
+
+def int_choice(values: Sequence[int]) -> Check:
+    def check(value):
+        return None if _is_int(value) and value in values else \
+            f"one of {', '.join(map(str, values))}"
+    return check
+
+
+def fp8_block() -> Check:
+    def check(value):
+        return None if isinstance(value, list) and value in FP8_BLOCKS and all(
+            _is_int(v) for v in value) else "[1, 128] or [128, 128]"
+    return check
+
+
+def scale_histogram() -> Check:
+    lo_bound, hi_bound = SCALE_EXPONENT_RANGE
+
+    def check(value):
+        valid = (f"{{\"min\": an integer in [{lo_bound}, {hi_bound}] or null, \"counts\": a "
+                 "list of integers >= 0 that stays within that range}")
+        if not isinstance(value, dict):
+            return valid
+        lo, counts = value.get("min"), value.get("counts")
+        if not isinstance(counts, list) or not all(_is_int(c) and 0 <= c <= MAX_COUNT
+                                                   for c in counts):
+            return valid
+        if lo is None:
+            return None if not any(counts) else valid
+        if not _is_int(lo) or not lo_bound <= lo <= hi_bound:
+            return valid
+        return None if lo + len(counts) - 1 <= hi_bound else valid
+    return check
+
+
 def region_fractions() -> Check:
     def check(value):
         if isinstance(value, dict) and set(value) <= set(REGIONS) and all(
@@ -194,6 +250,15 @@ METADATA_FIELDS = _fields("metadata", (
     ("dims", int_map(), False),
     ("hifp8_scaling", choice(HIFP8_SCALINGS), False),
     ("hifp8_scale_exponent", integer(MIN_SHARED_EXPONENT, MAX_SHARED_EXPONENT), False),
+    ("stochastic_seed", integer(0, MAX_SEED), False),
+    ("tensor_amax", amax_value(), False),
+    ("fp8_scaling", choice(FP8_SCALINGS), False),
+    ("fp8_block", fp8_block(), False),
+    ("fp8_margin", number(-1000.0, 1000.0), False),
+    ("fp8_pow2_scale", flag(), False),
+    ("block_2d", flag(), False),
+    ("rht_block", int_choice(RHT_BLOCKS), False),
+    ("rht_seed", integer(-MAX_SEED - 1, MAX_SEED), False),
 ))
 TENSOR_INFO_FIELDS = _fields("tensor_info", (
     ("shape", shape(), True),
@@ -218,6 +283,13 @@ QUANT_ERROR_FIELDS = _fields("quant_error", (
     ("nan_blocks", _COUNT, False),
     ("hifp8_regions", region_fractions(), False),
     ("hifp8_regions_unscaled", region_fractions(), False),
+    ("tensor_scale", nullable(number(0.0)), False),
+    ("blocks", _COUNT, False),
+    ("block_scale_min", nullable(number(0.0)), False),
+    ("block_scale_max", nullable(number(0.0)), False),
+    ("block_scale_hist", scale_histogram(), False),
+    ("block_scale_zero_fraction", _FRACTION, False),
+    ("block_scale_subnormal_fraction", _FRACTION, False),
 ))
 FIELDS = TOP_FIELDS + METADATA_FIELDS + TENSOR_INFO_FIELDS + QUANT_ERROR_FIELDS
 
@@ -249,6 +321,9 @@ def _cross_field(item: dict) -> Optional[str]:
         return f"metadata.axis = {axis} but the tensor has {len(dims)} dimensions: expected " \
                f"an integer in [0, {len(dims) - 1}] or null"
     fmt = meta["format"]
+    why = _quantization_fields(meta, fmt, dims)
+    if why is not None:
+        return why
     scaling = meta.get("hifp8_scaling", "none")
     if scaling == "tensor":
         if fmt != "hifp8":
@@ -257,6 +332,62 @@ def _cross_field(item: dict) -> Optional[str]:
         if "hifp8_scale_exponent" not in meta:
             return "metadata.hifp8_scale_exponent is missing: expected an integer in " \
                    f"[{MIN_SHARED_EXPONENT}, {MAX_SHARED_EXPONENT}] with hifp8_scaling 'tensor'"
+    return None
+
+
+_FP8_KEYS = ("fp8_scaling", "fp8_block", "fp8_margin", "fp8_pow2_scale")
+
+
+def _quantization_fields(meta: dict, fmt: str, dims) -> Optional[str]:
+    """The metadata that says how q was quantized (docs/capture-format.md, "Reproducing q")
+    must fit the record's format and shape."""
+    kind = format_info(fmt).kind
+    for key in _FP8_KEYS:
+        if key in meta and kind != "fp8":
+            return f"metadata.{key} = {_shown(meta[key])} on a {fmt} record: expected no " \
+                   "fp8_* keys (they describe the fp8_e4m3 / fp8_e5m2 formats only)"
+    if kind == "fp8":
+        scaling = meta.get("fp8_scaling", "tensor")
+        if scaling == "block" and "fp8_block" not in meta:
+            return "metadata.fp8_block is missing: expected [1, 128] or [128, 128] with " \
+                   "fp8_scaling 'block'"
+        if scaling != "block" and "fp8_block" in meta:
+            return f"metadata.fp8_block = {_shown(meta['fp8_block'])} with fp8_scaling " \
+                   f"{scaling!r}: expected no fp8_block (tiles belong to 'block' scaling)"
+        if meta.get("fp8_block") == [128, 128] and len(dims) != 2:
+            return f"metadata.fp8_block = [128, 128] on a tensor of shape {dims}: expected a " \
+                   "2-D tensor (128x128 tiles are for weights)"
+        if scaling == "delayed" and "tensor_amax" not in meta:
+            return "metadata.tensor_amax is missing: expected the amax (a number >= 0) the " \
+                   "delayed scale came from with fp8_scaling 'delayed'"
+    if "tensor_amax" in meta and not (kind == "nvfp4" or (
+            kind == "fp8" and meta.get("fp8_scaling", "tensor") != "block")):
+        return f"metadata.tensor_amax = {_shown(meta['tensor_amax'])} on a {fmt} record" + \
+            (" with fp8_scaling 'block'" if kind == "fp8" else "") + \
+            ": expected none (a per-tensor amax belongs to nvfp4 and to fp8 with tensor or " \
+            "delayed scaling)"
+    if meta.get("block_2d"):
+        if kind not in ("nvfp4", "fp8"):
+            return f"metadata.block_2d = true on a {fmt} record: expected false or absent " \
+                   "(2-D tiles are nvfp4 16x16 and fp8 blockwise 128x128)"
+        if len(dims) != 2:
+            return f"metadata.block_2d = true on a tensor of shape {dims}: expected a 2-D " \
+                   "tensor (a weight)"
+        if kind == "fp8" and meta.get("fp8_block") != [128, 128]:
+            return "metadata.block_2d = true with fp8_block " \
+                   f"{_shown(meta.get('fp8_block'))}: expected fp8_block [128, 128]"
+    if "stochastic_seed" in meta and kind not in STOCHASTIC_KINDS:
+        return f"metadata.stochastic_seed on a {fmt} record: expected none (stochastic " \
+               "rounding applies to the MX, NVFP4 and FP8 formats)"
+    if "rht_block" in meta:
+        axis = meta.get("axis")
+        if axis is None:
+            return "metadata.rht_block on a GEMM result (axis null): expected none (only the " \
+                   "operands of a GEMM are rotated)"
+        if dims and axis < len(dims) and dims[axis] % meta["rht_block"]:
+            return f"metadata.rht_block = {meta['rht_block']} but the rotated axis {axis} has " \
+                   f"length {dims[axis]}: expected a multiple of the block (the operand is " \
+                   "zero-padded to one)"
     return None
 
 

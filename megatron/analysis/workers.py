@@ -26,6 +26,7 @@ from megatron.analysis.progress import Progress
 from megatron.analysis.ranges import format_ranges
 from megatron.analysis.summarize import summarize_manifest_only, summarize_tensors
 from megatron.tensor_capture.format import short_module_name
+from megatron.tensor_capture.replay import stats_options
 
 log = logging.getLogger("megatron.analysis")
 
@@ -112,7 +113,8 @@ def summarize_entry(entry: Entry, result: BatchResult, use_tensors: bool = True)
             stats = summarize_tensors(record["tensor"], record.get("quantized") if fmt.quantized
                                       else None, hifp8_seen_by_grid(fmt, k),
                                       axis=-1 if axis is None else int(axis),
-                                      scale_mode=str(m.get("scale_mode") or "floor"))
+                                      scale_mode=str(m.get("scale_mode") or "floor"),
+                                      options=stats_options(m))
         except Exception as exc:
             result.problems.append(_problem("bad_record", f"{entry.path}: {exc}; skipped"))
             return

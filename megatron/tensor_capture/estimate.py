@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
+from megatron.quantization.formats import format_info
 from megatron.tensor_capture.records import SiteInfo, site_info
 from megatron.tensor_capture.roles import RESULT, ROLES_BY_KIND, Role
 
@@ -35,11 +36,30 @@ class SiteShape:
 
     def records(self) -> Iterable[Tuple[Role, bool, int]]:
         """(role, quantized, elements) of every record this site can produce."""
+        for role, quantized, numel, _ in self.records_with_scales():
+            yield role, quantized, numel
+
+    def records_with_scales(self) -> Iterable[Tuple[Role, bool, int, int]]:
+        """(role, quantized, elements, bytes of the scales its record file keeps) of every
+        record this site can produce."""
         for (gemm, operand), role in ROLES_BY_KIND[self.info.kind].items():
             slot = OPERAND_SLOT.get((gemm, operand))
-            quantized = role.kind != RESULT and slot is not None and \
-                getattr(getattr(self.config, gemm), slot) != "none"
-            yield role, quantized, layout_numel(role.layout, self.dims)
+            fmt = getattr(getattr(self.config, gemm), slot) if slot is not None else "none"
+            quantized = role.kind != RESULT and fmt != "none"
+            numel = layout_numel(role.layout, self.dims)
+            yield role, quantized, numel, scale_bytes(self.config, fmt, numel) if quantized \
+                else 0
+
+
+def scale_bytes(config, fmt: str, numel: int) -> int:
+    """float32 scales a record of `numel` elements keeps: NVFP4 one per 16, FP8 blockwise one
+    per 128 (per tensor: 4 bytes); none for MX and HiFP8 (their statistics only)."""
+    kind = format_info(fmt).kind
+    if kind == "nvfp4":
+        return 4 * -(-numel // 16)
+    if kind == "fp8":
+        return 4 * -(-numel // 128) if config.fp8.recipe == "blockwise" else 4
+    return 0
 
 
 def layout_numel(layout: Optional[str], dims: Dict[str, int]) -> int:
@@ -94,7 +114,7 @@ def estimate_bytes(shapes: Iterable[SiteShape], plan: Plan, micro_batches: int,
     """Bytes the capture writes (record files and manifest lines) on this rank."""
     total = 0
     for shape in shapes:
-        for role, quantized, numel in shape.records():
+        for role, quantized, numel, scales in shape.records_with_scales():
             decided = plan(shape.info, role, quantized)
             if decided is None:
                 continue
@@ -102,6 +122,6 @@ def estimate_bytes(shapes: Iterable[SiteShape], plan: Plan, micro_batches: int,
             per_record = MANIFEST_LINE_BYTES
             if mode == "full":
                 copies = 2 if quantized else 1
-                per_record += numel * element_bytes * copies + RECORD_FILE_OVERHEAD
+                per_record += numel * element_bytes * copies + scales + RECORD_FILE_OVERHEAD
             total += per_record * iterations * micro_batches
     return total

@@ -151,18 +151,28 @@ STATS_FIELDS = ("tensor_info", "quant_error")
 TENSOR_METRICS = ("min", "max", "mean", "std", "absmax", "zero_fraction", "nan_count",
                   "inf_count")
 ERROR_METRICS = ("mse", "sqnr_db", "relative_error", "flushed_fraction", "saturated_fraction",
-                 "nonfinite_fraction", "scale_exponent_hist", "nan_blocks", "hifp8_regions")
+                 "nonfinite_fraction", "scale_exponent_hist", "nan_blocks", "hifp8_regions",
+                 "tensor_scale", "blocks", "block_scale_min", "block_scale_max",
+                 "block_scale_hist", "block_scale_zero_fraction",
+                 "block_scale_subnormal_fraction")
 METRICS = TENSOR_METRICS + ERROR_METRICS
+# Metadata floats that may be non-finite (an operand holding NaN / Inf): written as strings
+# like the statistics, decoded by parse_manifest.
+METADATA_FLOATS = ("tensor_amax",)
 
 
 def record_dict(tensor, tensor_info: dict, metadata: dict, quantized=None,
-                quant_error: Optional[dict] = None) -> dict:
-    """The dict saved in a record file (loaded with torch.load(..., weights_only=True))."""
+                quant_error: Optional[dict] = None, scales=None) -> dict:
+    """The dict saved in a record file (loaded with torch.load(..., weights_only=True)).
+    `scales`: the float32 scales of an NVFP4 / FP8 operand (its E4M3 block scales, its
+    per-tensor or per-tile FP8 scales)."""
     record = {"format_version": FORMAT_VERSION, "tensor": tensor, "tensor_info": tensor_info,
               "metadata": metadata}
     if quantized is not None:
         record["quantized"] = quantized
         record["quant_error"] = quant_error
+        if scales is not None:
+            record["scales"] = scales
     return record
 
 
@@ -275,6 +285,11 @@ def parse_manifest(path: str) -> Iterator[Tuple[int, Optional[dict], Optional[Tu
         for key in STATS_FIELDS:
             if entry.get(key) is not None:
                 entry[key] = decode_nonfinite(entry[key])
+        metadata = entry.get("metadata")
+        if isinstance(metadata, dict):
+            for key in METADATA_FLOATS:
+                if isinstance(metadata.get(key), str):
+                    metadata[key] = decode_nonfinite(metadata[key])
         yield number, entry, None
 
 

@@ -57,19 +57,23 @@ class CaptureObserver:
             return None
         iteration, micro_batch = self.iteration, self.micro_batch
 
-        def observe(gemm, operand, hp, q, fmt, axis):
-            self._observe(info, site, iteration, micro_batch, gemm, operand, hp, q, fmt, axis)
+        def observe(gemm, operand, hp, q, fmt, axis, **extra):
+            self._observe(info, site, iteration, micro_batch, gemm, operand, hp, q, fmt, axis,
+                          extra)
 
         return observe
 
-    def __call__(self, site, gemm, operand, hp, q, fmt, axis):
+    def __call__(self, site, gemm, operand, hp, q, fmt, axis, **extra):
         """Unbound use (no pipeline snapshot): observe with the current state."""
         bound = self.bind(site)
         if bound is not None:
-            bound(gemm, operand, hp, q, fmt, axis)
+            bound(gemm, operand, hp, q, fmt, axis, **extra)
 
     def _observe(self, info: SiteInfo, site, iteration, micro_batch, gemm, operand, hp, q,
-                 fmt, axis) -> None:
+                 fmt, axis, extra: Optional[dict] = None) -> None:
+        """`extra`: the GEMM report's keywords besides (fmt, axis, config) that determined q
+        (gemm.py's _operand: scale_exponent, amax, seed, weight); they go into the record's
+        metadata, so that quantize_operand reproduces q (replay.py)."""
         if self.failed:
             return
         role = role_for(site.kind, gemm, operand)
@@ -83,8 +87,10 @@ class CaptureObserver:
             return
         start = time.perf_counter()
         try:
+            # (recorders written for reports without keywords keep working)
+            keywords = {"extra": extra} if extra else {}
             self.recorder.capture(info, site.config, role, iteration, micro_batch, gemm,
-                                  operand, hp, q, fmt, axis)
+                                  operand, hp, q, fmt, axis, **keywords)
         except Exception as exc:  # noqa: BLE001 - a capture bug must not break training
             self.failed = True
             if self.on_error is not None:

@@ -19,8 +19,10 @@ import torch
 from megatron.quantization.formats import hifp8_scale_exponent
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture.format import record_file_name, record_name, short_module_name
-from megatron.tensor_capture.roles import COMPONENT_OF_KIND, COMPONENT_TAG, LAYER_TYPE, Role
-from megatron.tensor_capture.stats import Moments, compute_stats
+from megatron.tensor_capture.replay import operand_metadata, quantize_options, rotation_metadata
+from megatron.tensor_capture.roles import (
+    COMPONENT_OF_KIND, COMPONENT_TAG, LAYER_TYPE, RESULT, Role)
+from megatron.tensor_capture.stats import Moments, block_scales, compute_stats
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,12 @@ class CaptureItem:
     quantized: Optional[torch.Tensor] = None
     tensor_info: Optional[dict] = None
     quant_error: Optional[dict] = None
-    # Statistics deferred to the writer thread: record_stats arguments after the tensors.
+    # NVFP4 / FP8: the scales the operand was quantized with (full mode, CPU)
+    scales: Optional[torch.Tensor] = None
+    # Statistics deferred to the writer thread: record_stats arguments after the tensors,
+    # and the format options of NVFP4 / FP8 operands.
     pending_stats: Optional[tuple] = None
+    pending_options: Optional[dict] = None
     keep_tensors: bool = True
     # device / requires_grad / is_leaf of the tensor the GEMM saw (the copy has other ones).
     origin: Optional[dict] = None
@@ -135,15 +141,16 @@ class CaptureItem:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tensor, self.quantized)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.tensor, self.quantized,
+                                                            self.scales) if t is not None)
 
     def finish_stats(self) -> None:
         """Compute statistics left to the writer thread, then drop tensors not to be saved."""
         if self.pending_stats is not None:
             source = self.moments_source.moments if self.moments_source is not None else None
             self.tensor_info, self.quant_error, self.moments = compute_stats(
-                self.tensor, self.quantized, *self.pending_stats, moments=source)
+                self.tensor, self.quantized, *self.pending_stats, moments=source,
+                options=self.pending_options)
             self.tensor_info.update(self.origin or {})
             self.pending_stats = None
             self.moments_source = None
@@ -155,11 +162,11 @@ class CaptureItem:
         if self.pool is not None:
             self.pool.release(self.tensor)
             self.pool.release(self.quantized)
-        self.tensor = self.quantized = None
+        self.tensor = self.quantized = self.scales = None
 
     def record(self) -> dict:
         return capture_format.record_dict(self.tensor, self.tensor_info, self.metadata,
-                                          self.quantized, self.quant_error)
+                                          self.quantized, self.quant_error, self.scales)
 
     def manifest_entry(self, file_name: Optional[str], nbytes: int) -> dict:
         return capture_format.manifest_entry(file_name, nbytes, self.metadata, self.tensor_info,
@@ -238,18 +245,34 @@ class Recorder:
 
     def capture(self, info: SiteInfo, config, role: Role, iteration: int, micro_batch: int,
                 gemm: str, operand: str, hp: torch.Tensor, q: Optional[torch.Tensor],
-                fmt: str, axis: Optional[int]) -> bool:
-        """Build the record of one GEMM report and submit it; False if it was dropped."""
+                fmt: str, axis: Optional[int], extra: Optional[dict] = None) -> bool:
+        """Build the record of one GEMM report and submit it; False if it was dropped.
+        `extra` holds the report's keywords (scale_exponent, amax, seed, weight)."""
+        extra = extra or {}
         with self._lock:       # backward may run on another thread than forward
             counter = self.counter
             self.counter += 1
         if axis is not None and hp.dim():
             axis = axis % hp.dim()
-        # The per-tensor scale of a tensor-scaled HiFP8 operand (a capture sees whole operands).
-        scale_k = int(hifp8_scale_exponent(hp)) if q is not None and config.tensor_scaled(fmt) \
-            else None
+        scale_k, options, quantization = None, None, {}
+        if q is not None:
+            if fmt == "hifp8" and config.tensor_scaled(fmt):
+                # The per-tensor scale of a tensor-scaled HiFP8 operand: the imposed one, else
+                # its own (a capture sees whole operands).
+                k = extra.get("scale_exponent")
+                scale_k = int(k if k is not None else hifp8_scale_exponent(hp))
+            amax = extra.get("amax")
+            if amax is not None:
+                amax = float(amax)      # a 0-d device tensor (delayed scaling): one sync
+            options = quantize_options(config, fmt, hp.dim(), weight=bool(extra.get("weight")),
+                                       amax=amax)
+            quantization = operand_metadata(config, fmt, hp, options, extra)
+            if extra.get("seed") is not None:
+                options["stochastic"] = True      # for the statistics (stats.quant_error)
+        if role.kind != RESULT:
+            quantization.update(rotation_metadata(config, gemm))
         meta = self._metadata(info, config, role, iteration, micro_batch, gemm, operand, hp,
-                              q is not None, fmt, axis, counter, scale_k)
+                              q is not None, fmt, axis, counter, scale_k, quantization)
         file_name = record_file_name(self.context.run_id, counter, meta, info.module) \
             if self.full else None
         item = CaptureItem(metadata=meta, file_name=file_name, keep_tensors=self.full,
@@ -261,16 +284,20 @@ class Recorder:
             item.tensor = self.pool.copy(hp)
             item.quantized = self.pool.copy(q) if q is not None else None
             item.pending_stats = stats_args
+            item.pending_options = options
             item.origin = {"device": str(hp.device), "requires_grad": bool(hp.requires_grad),
                            "is_leaf": bool(hp.is_leaf)}
             item.moments_source = earlier
         else:
             moments = earlier.moments if earlier is not None else None
             item.tensor_info, item.quant_error, item.moments = compute_stats(
-                hp, q, *stats_args, moments=moments)
+                hp, q, *stats_args, moments=moments, options=options)
             if self.full:
                 item.tensor = self.pool.copy(hp)
                 item.quantized = self.pool.copy(q) if q is not None else None
+                if q is not None:
+                    scales = block_scales(hp, fmt, axis, options)
+                    item.scales = None if scales is None else scales.detach().cpu()
         if earlier is None:
             self.same_data.put(hp, item)
         self.records += 1
@@ -279,7 +306,7 @@ class Recorder:
 
     def _metadata(self, info: SiteInfo, config, role: Role, iteration, micro_batch, gemm,
                   operand, hp, quantized: bool, fmt: str, axis, counter: int,
-                  scale_k: Optional[int] = None) -> dict:
+                  scale_k: Optional[int] = None, quantization: Optional[dict] = None) -> dict:
         ctx = self.context
         meta = {
             "layer_type": info.layer_type, "layer_idx": info.layer, "module": info.module_path,
@@ -300,6 +327,9 @@ class Recorder:
             if scale_k is not None:
                 meta["hifp8_scaling"] = "tensor"
                 meta["hifp8_scale_exponent"] = scale_k
+        # How q was quantized beyond format, axis and scale rule (replay.py), and whether the
+        # operand was rotated by the Hadamard transform before it was reported.
+        meta.update(quantization or {})
         if info.component == "attention" and role.layout:
             meta["dims"] = attention_dims(role.layout, hp.shape, info.groups,
                                           info.heads_per_group)

@@ -31,7 +31,7 @@ class RuleRouter:
         return self._submit(item, self._metrics)
 
     def capture(self, info, config, role, iteration, micro_batch, gemm, operand, hp, q, fmt,
-                axis) -> bool:
+                axis, extra=None) -> bool:
         rule = self.policy.rule_at(iteration, info, role, q is not None)
         if rule is None:
             return False
@@ -39,4 +39,4 @@ class RuleRouter:
             self.recorder.full = rule.mode == "full"
             self._metrics = rule.stats
             return self.recorder.capture(info, config, role, iteration, micro_batch, gemm,
-                                         operand, hp, q, fmt, axis)
+                                         operand, hp, q, fmt, axis, extra=extra)

@@ -13,8 +13,16 @@ the same data.
 Accuracy: sums and sums of squares accumulate in float64; the variance is recomputed in two
 passes when the mean dominates it. `q - x` is computed in the input dtype, where it is exact:
 fake quantization rounds to a grid whose spacing is at most |x|, so q lies within a factor 2
-of x (or is 0), and by Sterbenz's lemma the difference is representable. The one exception,
-HiFP8 saturating values far above its maximum, is detected and computed in float64.
+of x (or is 0), and by Sterbenz's lemma the difference is representable. The exceptions are
+computed in float64: HiFP8 saturating values far above its maximum, NVFP4 and FP8 (an element
+of a block with a subnormal scale, or beyond a delayed scale's range, clamps far below itself)
+and stochastically rounded operands (a value far below the grid's spacing may round up to it).
+
+Formats with scales: MX blocks (E8M0 exponents, recomputed from the block maxima), NVFP4 (E4M3
+block scales and a float32 tensor scale) and FP8 (float32 per-tensor or per-tile scales) are
+recomputed from x with the operand's format options (`replay.quantize_options`), through the
+format library's own `nvfp4_scales` / `fp8_scales` (`scale_stats`), so that saturation and the
+scale statistics describe exactly what the quantizer did.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import torch.nn.functional as F
 
 from megatron.quantization.formats import (
     HIFP8_OVERFLOW, NAN_EXPONENT, format_info, mx_block_scales, mx_shared_exponents)
+from megatron.quantization.formats.fp8 import fp8_scales
+from megatron.quantization.formats.nvfp4 import nvfp4_scales
 
 
 HIFP8_REGIONS = ("mant3", "mant2", "mant1", "denormal", "underflow", "overflow")
@@ -191,6 +201,200 @@ def _mx_block_stats(x: torch.Tensor, fmt: str, info, axis: int, scale_mode: str,
     return saturated, {"min": lo, "counts": counts}, nan_blocks
 
 
+# --------------------------------------------------------------------------------------------
+# Scaled formats: NVFP4 (E4M3 block scales, float32 tensor scale) and FP8 (float32 scales)
+# --------------------------------------------------------------------------------------------
+
+FLT_MAX = float(torch.finfo(torch.float32).max)
+E4M3_MIN_NORMAL = 2.0 ** -6          # smaller nonzero E4M3 block scales are subnormal
+SCALED_KINDS = ("nvfp4", "fp8")
+
+
+def clamp_threshold(info):
+    """(t, inclusive): a scaled element value v of an FP8 / NVFP4 element format is clamped --
+    it would round to a magnitude beyond the largest finite one, max_normal, if the format had
+    one -- when |v| > t (inclusive: |v| >= t), t = max_normal + half a step at the top. The tie
+    at t rounds to even, which is beyond max_normal when max_normal's last mantissa bit is 1:
+    E4M3 |v| > 464, E5M2 |v| >= 61440, E2M1 |v| >= 7 (values up to t round to max_normal
+    anyway, so the clamp changes nothing for them)."""
+    step = 2.0 ** (info.emax_elem - info.mantissa_bits)
+    return info.max_normal + step / 2, int(info.max_normal / step) % 2 == 1
+
+
+def _count_clamped(v: torch.Tensor, info) -> torch.Tensor:
+    """Elements of the scaled values `v` the element format's clamp changed (NaN never)."""
+    t, inclusive = clamp_threshold(info)
+    magnitude = v.abs()
+    return torch.count_nonzero(magnitude >= t if inclusive else magnitude > t)
+
+
+class ScaleStats(NamedTuple):
+    """An NVFP4 or FP8 operand's scales and the elements its element clamp changed, as device
+    tensors (no host synchronisation). Block fields count NVFP4 blocks or FP8 tiles; a
+    per-tensor FP8 scale has none (blocks = 0)."""
+
+    saturated: torch.Tensor             # int64: elements clamped (clamp_threshold)
+    blocks: torch.Tensor                # int64
+    nan_blocks: torch.Tensor            # int64: blocks whose scale is undefined (NaN/Inf data)
+    zero_blocks: torch.Tensor           # int64: NVFP4 E4M3 scale 0 (all-zero or flushed block)
+    subnormal_blocks: torch.Tensor      # int64: NVFP4 E4M3 scale in (0, 2**-6)
+    block_min: torch.Tensor             # float64: smallest nonzero defined block scale (+inf: none)
+    block_max: torch.Tensor             # float64: largest (-inf: none)
+    tensor_scale: Optional[torch.Tensor]    # float32 0-d: NVFP4 s_enc, FP8 per-tensor scale
+    block_scales: Optional[torch.Tensor]    # float32 block scales (NaN where undefined)
+    valid: Optional[torch.Tensor]           # bool, like block_scales: defined and nonzero
+
+
+def _zero_padded(t: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    pad = -t.shape[axis] % block
+    if pad:
+        t = F.pad(t, [0, 0] * (t.dim() - 1 - axis) + [0, pad])
+    return t
+
+
+def _tiles(t: torch.Tensor, axis: int, block: int, square: bool):
+    """(t zero-padded and viewed in blocks, how a per-block tensor broadcasts against it):
+    `block` consecutive elements along `axis`, or block x block tiles of a 2-D t."""
+    if square:
+        t = _zero_padded(_zero_padded(t, 0, block), 1, block)
+        rows, cols = t.shape
+        return t.reshape(rows // block, block, cols // block, block), \
+            lambda s: s.reshape(rows // block, 1, cols // block, 1)
+    t = _zero_padded(t, axis, block)
+    return t.unflatten(axis, (t.shape[axis] // block, block)), lambda s: s.unsqueeze(axis + 1)
+
+
+def _block_extrema(scales: torch.Tensor, valid: torch.Tensor):
+    inf = _constant(math.inf, scales.device)
+    values = scales.to(_F64)
+    return (torch.where(valid, values, inf).amin() if values.numel() else inf,
+            torch.where(valid, values, -inf).amax() if values.numel() else -inf)
+
+
+def _nvfp4_scale_stats(x: torch.Tensor, axis: int, options: dict) -> ScaleStats:
+    """NVFP4 (design note 6.1): the E4M3 block scales s, the tensor scale s_enc, and
+    v = f32(x * enc_b), enc_b = 1 / f32(s * s_dec), the values the E2M1 rounding saw."""
+    block_2d = bool(options.get("block_2d")) and x.dim() == 2
+    s, amax = nvfp4_scales(x, axis=axis, block_2d=block_2d, amax=options.get("amax"))
+    s_enc = torch.full_like(amax, 2688.0).div_(amax).clamp_(max=FLT_MAX)
+    s_enc = torch.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+    enc = torch.reciprocal(s * torch.reciprocal(s_enc)).clamp_(max=FLT_MAX)
+    blocks, spread = _tiles(x.to(_F32), axis, 16, block_2d)
+    saturated = _count_clamped(blocks * spread(enc), format_info("nvfp4"))
+    defined = ~torch.isnan(s)
+    valid = defined & (s > 0)
+    lo, hi = _block_extrema(s, valid)
+    count = lambda mask: torch.count_nonzero(mask)  # noqa: E731
+    return ScaleStats(saturated, _constant(s.numel(), x.device, dtype=torch.int64),
+                      count(~defined),
+                      count(s == 0), count(valid & (s < E4M3_MIN_NORMAL)), lo, hi, s_enc, s,
+                      valid)
+
+
+def _fp8_scale_stats(x: torch.Tensor, fmt: str, axis: int, options: dict,
+                     all_finite: bool) -> ScaleStats:
+    """FP8 (design note 7): the float32 scale(s) and v = f32(x * scale) (float64 for float64
+    x), the values the element rounding saw."""
+    info = format_info(fmt)
+    work = x if x.dtype in (_F32, _F64) else x.to(_F32)
+    zero = _constant(0, x.device, dtype=torch.int64)
+    pow2 = bool(options.get("pow2_scale", False))
+    if (options.get("scaling") or "tensor") == "tensor":
+        amax = options.get("amax")
+        scale = fp8_scales(x, fmt, axis, "tensor", amax=amax,
+                           margin=options.get("margin", 0) or 0, pow2_scale=pow2)
+        v = work * scale
+        if all_finite:
+            saturated = _count_clamped(v, info)
+        else:
+            finite = torch.isfinite(v)
+            saturated = _count_clamped(torch.where(finite, v, 0.0), info)
+            if amax is None:       # current scaling of a tensor with NaN / Inf: all NaN
+                saturated = torch.where(finite.all(), saturated, 0)
+        inf = _constant(math.inf, x.device)
+        return ScaleStats(saturated, zero, zero, zero, zero, inf, -inf, scale, None, None)
+    block = tuple(options.get("block") or (1, 128))
+    square = block == (128, 128)
+    scales = fp8_scales(x, fmt, axis, "block", margin=options.get("margin", 0) or 0,
+                        pow2_scale=pow2, block=block)
+    tiles, spread = _tiles(work, axis, 128, square)
+    dims = (1, 3) if square else (axis + 1,)
+    tile_amax = torch.maximum(tiles.amax(dims), tiles.amin(dims).neg())   # NaN propagates
+    tile_amax = tile_amax.reshape(scales.shape)
+    defined = torch.isfinite(tile_amax)
+    v = tiles * spread(scales)
+    if not all_finite:           # a tile holding NaN / Inf is all NaN
+        v = torch.where(spread(defined), v, 0.0)
+    saturated = _count_clamped(v, info)
+    valid = defined & (tile_amax > 0)            # a zero tile's scale is a placeholder 1
+    lo, hi = _block_extrema(scales, valid)
+    return ScaleStats(saturated, _constant(scales.numel(), x.device, dtype=torch.int64),
+                      torch.count_nonzero(~defined), zero, zero, lo, hi, None,
+                      torch.where(defined, scales, math.nan), valid)
+
+
+def scale_stats(x: torch.Tensor, fmt: str, axis: Optional[int],
+                options: Optional[dict] = None, all_finite: bool = False) -> Optional[ScaleStats]:
+    """ScaleStats of an NVFP4 or FP8 operand quantized with the fake_quantize format
+    `options` (replay.quantize_options: block_2d, amax, scaling, block, margin, pow2_scale);
+    None for other formats. `all_finite`: the caller knows x holds no NaN / Inf (skips the
+    masks that keep such elements, and blocks or tensors that become all NaN, out of the
+    saturated count)."""
+    kind = format_info(fmt).kind
+    if kind not in SCALED_KINDS or x.numel() == 0:
+        return None
+    options = options or {}
+    axis = (axis if axis is not None else -1) % max(x.dim(), 1)
+    with torch.no_grad():
+        if kind == "nvfp4":
+            return _nvfp4_scale_stats(x.detach(), axis, options)
+        return _fp8_scale_stats(x.detach(), format_info(fmt).name, axis, options, all_finite)
+
+
+def block_scales(x: torch.Tensor, fmt: str, axis: Optional[int],
+                 options: Optional[dict] = None) -> Optional[torch.Tensor]:
+    """The scales a record file keeps beside an NVFP4 / FP8 operand (float32): NVFP4 the E4M3
+    block scales (x's shape with `axis` replaced by its number of 16-blocks, or
+    [rows/16, cols/16] for 2-D tiles), FP8 the per-tensor scale (0-d) or the tile scales; NaN
+    where undefined. None for other formats."""
+    stats = scale_stats(x, fmt, axis, options)
+    if stats is None:
+        return None
+    return stats.tensor_scale.reshape(()) if stats.block_scales is None else stats.block_scales
+
+
+def _exponent_histogram(values: torch.Tensor) -> dict:
+    """{"min", "counts"} of floor(log2 v) of positive finite values (exact, from frexp)."""
+    if values.numel() == 0:
+        return {"min": None, "counts": []}
+    _, e = torch.frexp(values.to(_F64))
+    e = (e - 1).reshape(-1).long()
+    lo = int(e.min())
+    return {"min": lo, "counts": torch.bincount(e - lo).tolist()}
+
+
+def _scale_error_fields(stats: ScaleStats, kind: str) -> dict:
+    """The quant_error keys of an NVFP4 / FP8 operand's scales (docs/capture-format.md)."""
+    out = {}
+    if stats.tensor_scale is not None:
+        value = float(stats.tensor_scale)
+        out["tensor_scale"] = value if math.isfinite(value) else None
+    if stats.block_scales is None:
+        return out
+    blocks, nan_blocks, zero, subnormal, lo, hi = _scalars(
+        [stats.blocks, stats.nan_blocks, stats.zero_blocks, stats.subnormal_blocks,
+         stats.block_min, stats.block_max])
+    defined = blocks - nan_blocks
+    out.update(blocks=int(blocks), nan_blocks=int(nan_blocks),
+               block_scale_min=lo if math.isfinite(lo) else None,
+               block_scale_max=hi if math.isfinite(hi) else None,
+               block_scale_hist=_exponent_histogram(stats.block_scales[stats.valid]))
+    if kind == "nvfp4":
+        out.update(block_scale_zero_fraction=_ratio(zero, defined),
+                   block_scale_subnormal_fraction=_ratio(subnormal, defined))
+    return out
+
+
 # Region of a finite nonzero value by e = floor(log2|x|), for e clamped to [-24, 16].
 _REGION_OF_EXPONENT = [
     4 if e <= -24 else 3 if e <= -16 else
@@ -241,38 +445,50 @@ def hifp8_regions(x: torch.Tensor, all_finite: bool = False) -> dict:
 # quant_error
 # --------------------------------------------------------------------------------------------
 
-def _difference(x: torch.Tensor, q: torch.Tensor, info, absmax: float) -> torch.Tensor:
+def _difference(x: torch.Tensor, q: torch.Tensor, info, absmax: float,
+                stochastic: bool = False) -> torch.Tensor:
     """q - x, exact (see the module docstring)."""
-    if info.kind not in ("mx", "none") and absmax > 2 * info.max_normal:
-        return q.to(_F64) - x.to(_F64)     # saturated far beyond the format's range
+    if stochastic or info.kind in SCALED_KINDS or (info.kind not in ("mx", "none")
+                                                   and absmax > 2 * info.max_normal):
+        # Stochastic rounding may round a value far below the grid's spacing up to it.
+        # saturated far beyond the format's range (HiFP8), or possibly so: an NVFP4 element
+        # of a subnormal-scaled block, an FP8 value beyond a delayed scale's range
+        return q.to(_F64) - x.to(_F64)
     return q - x
 
 
 def quant_error(x: torch.Tensor, q: torch.Tensor, fmt: str, axis: Optional[int] = None,
-                scale_mode: str = "floor", hifp8_scale_exponent: Optional[int] = None) -> dict:
-    """Error of q = fake_quantize(x, fmt, axis, scale_mode, ...) relative to x.
+                scale_mode: str = "floor", hifp8_scale_exponent: Optional[int] = None, *,
+                options: Optional[dict] = None) -> dict:
+    """Error of q = fake_quantize(x, fmt, axis, scale_mode, ..., **options) relative to x.
 
     mse, sqnr_db and relative_error are over the elements where both x and q are finite
     (float64 accumulation); fractions have the documented denominators and are 0 when that
     is empty. `hifp8_scale_exponent` k says q = 2**-k * HiF8(2**k * x) (per-tensor scaling):
     saturation and the HiFP8 regions are then those of the values the grid saw, 2**k * x,
-    and `hifp8_regions_unscaled` adds the regions x itself would occupy.
+    and `hifp8_regions_unscaled` adds the regions x itself would occupy. `options` are the
+    format options of NVFP4 and FP8 operands (replay.quantize_options: block_2d, amax,
+    scaling, block, margin, pow2_scale), from which their scales are recomputed, and
+    `stochastic: True` for a stochastically rounded q (q - x is then taken in float64: such
+    a q need not lie within a factor 2 of x).
     """
-    return record_stats(x, q, fmt, axis, scale_mode, hifp8_scale_exponent)[1]
+    return record_stats(x, q, fmt, axis, scale_mode, hifp8_scale_exponent, options=options)[1]
 
 
 def record_stats(x: torch.Tensor, q: Optional[torch.Tensor] = None, fmt: str = "none",
                  axis: Optional[int] = None, scale_mode: str = "floor",
-                 hifp8_scale_exponent: Optional[int] = None):
+                 hifp8_scale_exponent: Optional[int] = None, *,
+                 options: Optional[dict] = None):
     """(tensor_info(x), quant_error(x, q, ...) or None), sharing the reductions over x."""
-    info, error, _ = compute_stats(x, q, fmt, axis, scale_mode, hifp8_scale_exponent)
+    info, error, _ = compute_stats(x, q, fmt, axis, scale_mode, hifp8_scale_exponent,
+                                   options=options)
     return info, error
 
 
 def compute_stats(x: torch.Tensor, q: Optional[torch.Tensor] = None, fmt: str = "none",
                   axis: Optional[int] = None, scale_mode: str = "floor",
                   hifp8_scale_exponent: Optional[int] = None,
-                  moments: Optional[Moments] = None):
+                  moments: Optional[Moments] = None, *, options: Optional[dict] = None):
     """record_stats plus the Moments of x; pass `moments` of the same data (another view of
     the same tensor) to skip recomputing them."""
     if x.numel() == 0:
@@ -283,7 +499,7 @@ def compute_stats(x: torch.Tensor, q: Optional[torch.Tensor] = None, fmt: str = 
     if q is None:
         return info, None, m
     return info, _quant_error(x.detach(), q.detach(), format_info(fmt), axis, scale_mode, m,
-                              hifp8_scale_exponent), m
+                              hifp8_scale_exponent, options), m
 
 
 def _empty_error(info) -> dict:
@@ -296,7 +512,8 @@ def _empty_error(info) -> dict:
     return result
 
 
-def _quant_error(x, q, info, axis, scale_mode, m: Moments, hifp8_k: Optional[int] = None) -> dict:
+def _quant_error(x, q, info, axis, scale_mode, m: Moments, hifp8_k: Optional[int] = None,
+                 options: Optional[dict] = None) -> dict:
     result = _empty_error(info)
     n = m.n
     qlo, qhi = q.aminmax()
@@ -305,7 +522,8 @@ def _quant_error(x, q, info, axis, scale_mode, m: Moments, hifp8_k: Optional[int
         # x == 0 implies q == 0, so the flushed count is nonzero(x) - nonzero(q).
         n_finite_q = count = n
         sig2, n_nonzero = m.sumsq, m.nonzero
-        diff = _difference(x, q, info, max(-m.lo, m.hi))
+        diff = _difference(x, q, info, max(-m.lo, m.hi),
+                           stochastic=bool((options or {}).get("stochastic")))
         values = [_sumsq64(diff), m.nonzero - torch.count_nonzero(q)]
     else:
         finite_x, finite_q = torch.isfinite(x), torch.isfinite(q)
@@ -332,6 +550,12 @@ def _quant_error(x, q, info, axis, scale_mode, m: Moments, hifp8_k: Optional[int
             grid = x.double() * 2.0 ** hifp8_k   # exact: float64 holds every scaled value
             result["hifp8_regions"] = hifp8_regions(grid, all_finite)
             result["hifp8_regions_unscaled"] = hifp8_regions(x, all_finite)
+    elif info.kind in SCALED_KINDS:
+        # Elements the element clamp changed, from the scales recomputed (never a NaN / Inf
+        # element, nor one of a block or tensor whose output is all NaN).
+        scaled = scale_stats(x, info.name, axis, options, all_finite=all_finite)
+        saturated = scaled.saturated
+        result.update(_scale_error_fields(scaled, info.kind))
     elif info.kind == "float":
         saturated = torch.count_nonzero(torch.isfinite(x) & (x.abs() > info.max_normal))
     else:
@@ -359,10 +583,16 @@ def _quant_error(x, q, info, axis, scale_mode, m: Moments, hifp8_k: Optional[int
 
 # Layout of the vector `operand_statistics` returns (summed over micro-batches, chunks and
 # ranks), then of the maxima (reduced with max; the exponent minimum is stored negated).
+# Scales (NVFP4, FP8): block counts are summed; the per-tensor and block scale ranges are
+# maxima (minima stored negated), -inf where an operand has none.
 SUM_FIELDS = ("count", "nonzero", "flushed", "saturated", "signal_sq", "error_sq",
-              "nonfinite", *(f"hifp8_{name}" for name in HIFP8_REGIONS))
-MAX_FIELDS = ("amax", "neg_scale_exp_min", "scale_exp_max")
+              "nonfinite", *(f"hifp8_{name}" for name in HIFP8_REGIONS),
+              "blocks", "zero_scale_blocks", "subnormal_scale_blocks")
+MAX_FIELDS = ("amax", "neg_scale_exp_min", "scale_exp_max", "neg_tensor_scale_min",
+              "tensor_scale_max", "neg_block_scale_min", "block_scale_max")
 _NO_EXPONENT = -1e9
+# What an operand without a value contributes to each maximum.
+MAX_EMPTY = (_NO_EXPONENT, _NO_EXPONENT, _NO_EXPONENT) + (-math.inf,) * 4
 # floor(log2 |x * 2**k|) of any float32/bf16 value times any scale 2**k, k in [-127, 127],
 # lies in [-276, 255]: histogram bins [-288, 288).
 _E_OFFSET, _E_BINS = 288, 576
@@ -463,6 +693,15 @@ def _exponents(x_abs: torch.Tensor, x_bits: torch.Tensor, nonzero: torch.Tensor,
 _CONSTANTS = {}
 
 
+def _max_empty(device) -> torch.Tensor:
+    """MAX_EMPTY as a cached float64 tensor on `device` (callers never write to it)."""
+    key = ("max_empty", device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(MAX_EMPTY, dtype=_F64, device=device)
+    return t
+
+
 def _constant(value, device, size=(), dtype=_F64) -> torch.Tensor:
     """A cached tensor full of value; callers never write to it."""
     key = (value, device, size, dtype)
@@ -490,7 +729,8 @@ class XSide(NamedTuple):
 @torch.no_grad()
 def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "none",
                        axis: Optional[int] = None, scale_mode: str = "floor",
-                       hifp8_scale_exponent=None, x_side: Optional[XSide] = None):
+                       hifp8_scale_exponent=None, x_side: Optional[XSide] = None, *,
+                       options: Optional[dict] = None):
     """(sums, maxima, x_side): float64 vectors laid out as SUM_FIELDS and MAX_FIELDS, on x's device,
     with no host synchronisation, so a training step can afford them and a whole logging
     iteration reduces in one transfer. They add up exactly over pieces of a tensor
@@ -500,9 +740,14 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
         sqnr_db = 10 log10(signal_sq / error_sq)     relative_error = sqrt(error_sq / signal_sq)
         hifp8 region shares = hifp8_<region> / (their sum)
 
+        NVFP4 block scales: zero / subnormal shares = zero_scale_blocks /
+        subnormal_scale_blocks over blocks; tensor and block scale ranges in the maxima
+
     with the same definitions for tensors whose x and q are finite (MX saturation |x| >
     max_normal * 2**e; HiFP8 saturation and regions on the grid's side of a per-tensor scale
-    2**k given as `hifp8_scale_exponent`, a 0-dim tensor or int). They are computed for that
+    2**k given as `hifp8_scale_exponent`, a 0-dim tensor or int; NVFP4 and FP8 saturation
+    and scales from their format `options`, replay.quantize_options, whose `amax` may be an
+    imposed 0-dim tensor). They are computed for that
     common case only, in few passes; `nonfinite` is 1 when x or q holds NaN/Inf, and the
     other fields of such a piece are then meaningless (its amax is NaN or Inf). With q None
     (an operand kept in high precision) only count, nonfinite and amax are filled.
@@ -514,14 +759,14 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
     no_exponent = _constant(_NO_EXPONENT, device)
     if n == 0:
         return (torch.zeros(len(SUM_FIELDS), dtype=_F64, device=device),
-                torch.full((len(MAX_FIELDS),), _NO_EXPONENT, dtype=_F64, device=device), None)
+                _max_empty(device).clone(), None)
     if q is None:
         # max(|min|, |max|): one pass in x's own dtype, no copy; NaN and Inf propagate.
         lo, hi = torch.aminmax(x)
         amax = torch.maximum(hi, -lo).to(_F64)
         sums = torch.zeros(len(SUM_FIELDS), dtype=_F64, device=device)
         sums[0], sums[6] = n, (~torch.isfinite(amax)).to(_F64)
-        return sums, torch.stack([amax, no_exponent, no_exponent]), None
+        return sums, torch.cat([amax.reshape(1), _max_empty(device)[1:]]), None
     scratch = _scratch(device)
     info = format_info(fmt)
     # |x| and |q| as float32 (float64 for a float64 x): exact copies, in buffers reused
@@ -546,6 +791,8 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
     counts = [nonzero, nonzero - torch.count_nonzero(q_bits)]        # x == 0 gives q == 0
     exp_min = exp_max = no_exponent
     regions = _constant(0.0, device, len(HIFP8_REGIONS))      # read only
+    block_counts = _constant(0.0, device, 3)                   # read only
+    scale_range = _constant(-math.inf, device, 4)              # read only
     if info.kind == "mx":
         dim = axis % x.dim()
         blocks = _block_view(x_abs, dim, info.block_size)
@@ -577,6 +824,17 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
         mant1, over = HIFP8_REGIONS.index("mant1"), HIFP8_REGIONS.index("overflow")
         regions[mant1] -= overflow - regions[over]   # e = 15 at or above 40960 overflows
         regions[over] = overflow.to(_F64)
+    elif info.kind in SCALED_KINDS:
+        scaled = scale_stats(x, info.name, axis, options, all_finite=True)
+        counts.append(scaled.saturated)
+        block_counts = torch.stack([scaled.blocks, scaled.zero_blocks,
+                                    scaled.subnormal_blocks]).to(_F64)
+        scale_range = torch.stack([-scaled.block_min, scaled.block_max])
+        if scaled.tensor_scale is not None:
+            tensor_scale = scaled.tensor_scale.to(_F64)
+            scale_range = torch.cat([torch.stack([-tensor_scale, tensor_scale]), scale_range])
+        else:
+            scale_range = torch.cat([_constant(-math.inf, device, 2), scale_range])
     elif info.kind == "float":
         limit = torch.tensor(info.max_normal, dtype=work, device=device).view(int_work)
         counts.append(_count_above(x_bits, limit, scratch("count", x_bits, int_work)))
@@ -593,5 +851,6 @@ def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "n
     counts.insert(0, _constant(n, device, dtype=torch.int64))
     nonfinite = signal_error.sum(0, keepdim=True).isfinite().logical_not_()
     # cat and stack promote their inputs: float64 results in few operations
-    sums = torch.cat([torch.stack(counts), signal_error, nonfinite, regions])
-    return sums, torch.stack([amax, exp_min, exp_max]).to(_F64), x_side
+    sums = torch.cat([torch.stack(counts), signal_error, nonfinite, regions, block_counts])
+    maxima = torch.cat([torch.stack([amax, exp_min, exp_max]).to(_F64), scale_range])
+    return sums, maxima, x_side

@@ -15,10 +15,21 @@ Keys are `L{layer}.{module}` (capture's short module names, `.qk`/`.pv` for atte
 value, grad_context). Metrics, per key:
 
     saturated_pct flushed_pct sqnr_db rel_error amax       quantized operands
-    scale_exp_min scale_exp_max                              MX formats
+    scale_exp_min scale_exp_max                              MX formats (MXFP8, MXFP6, MXFP4)
     hifp8_{underflow,denormal,mant1,mant2,mant3,overflow}_pct   HiFP8
+    block_scale_zero_pct block_scale_subnormal_pct           NVFP4: shares of the blocks whose
+                                                             E4M3 scale is 0 / below 2**-6
+    tensor_scale_min tensor_scale_max                        NVFP4 (s_enc), FP8 per tensor
+    block_scale_min block_scale_max                          NVFP4 (nonzero E4M3 scales), FP8
+                                                             blockwise (tiles with data)
     amax                                                     operands kept in high precision
     nonfinite (= 1) and amax only                            an operand that held NaN/Inf
+
+NVFP4 and FP8 `saturated_pct` counts the elements the element format's clamp changed (a
+scaled value beyond max_normal plus half a step: |v| > 464 for E4M3, >= 61440 for E5M2,
+>= 7 for E2M1): FP8 with delayed scaling when the tensor outgrew the amax of its history,
+NVFP4 in blocks with subnormal E4M3 scales. The scale ranges are over the micro-batches,
+chunks and ranks measured (one value when the operand was measured once).
 """
 
 from __future__ import annotations
@@ -30,8 +41,9 @@ import torch
 
 from megatron.quantization.formats import format_info, hifp8_scale_exponent
 from megatron.tensor_capture.records import SameDataCache
+from megatron.tensor_capture.replay import quantize_options
 from megatron.tensor_capture.stats import (
-    HIFP8_REGIONS, MAX_FIELDS, SUM_FIELDS, operand_statistics)
+    HIFP8_REGIONS, MAX_EMPTY, MAX_FIELDS, SUM_FIELDS, operand_statistics)
 
 # Attention operands by role (quantized_matmul reports a, b, grad_output).
 _ATTENTION_ROLES = {
@@ -72,16 +84,22 @@ class QuantTelemetry:
         roles = _ATTENTION_ROLES.get(site.kind, {})
         config = site.config
 
-        def observe(gemm, operand, hp, q, fmt, axis, scale_exponent=None):
+        def observe(gemm, operand, hp, q, fmt, axis, scale_exponent=None, amax=None,
+                    weight=False, **extra):
             if operand in _RESULTS:
                 return
-            k = None
-            if q is not None and config.tensor_scaled(fmt):
+            k = options = None
+            if q is not None and fmt == "hifp8" and config.tensor_scaled(fmt):
                 # a chunk of a tensor-scaled operand comes with the whole operand's scale
                 k = scale_exponent if scale_exponent is not None else hifp8_scale_exponent(hp)
+            if q is not None:
+                # NVFP4 / FP8: the format options (2-D weight tiles, an imposed or delayed
+                # amax) their scales are recomputed with; stochastic rounding changes none
+                options = quantize_options(config, fmt, hp.dim(), weight=weight, amax=amax)
             known = self._same_data.get(hp) if q is not None else None
             sums, maxima, x_side = operand_statistics(
-                hp, q, fmt if q is not None else "none", axis, config.scale_mode, k, known)
+                hp, q, fmt if q is not None else "none", axis, config.scale_mode, k, known,
+                options=options)
             if q is not None and known is None:
                 self._same_data.put(hp, x_side)
             self._add((label, f"{gemm}.{roles.get(operand, operand)}"), sums, maxima,
@@ -110,8 +128,8 @@ class QuantTelemetry:
         keys = self._agree_on_keys(group)
         device = next((e[0].device for e in self._acc.values()), _default_device())
         sums = torch.zeros(len(keys), len(SUM_FIELDS), dtype=torch.float64, device=device)
-        maxima = torch.full((len(keys), len(MAX_FIELDS)), -1e9, dtype=torch.float64,
-                            device=device)
+        maxima = torch.tensor(MAX_EMPTY, dtype=torch.float64,
+                              device=device).repeat(len(keys), 1)
         for i, (site, operand, _) in enumerate(keys):
             entry = self._acc.get((site, operand))
             if entry is not None:
@@ -160,6 +178,13 @@ def metrics(sums: List[float], maxima: List[float], fmt: str) -> Dict[str, float
     if kind == "mx" and m["scale_exp_max"] > -1e8:
         out["scale_exp_min"] = -m["neg_scale_exp_min"]
         out["scale_exp_max"] = m["scale_exp_max"]
+    if kind == "nvfp4" and s["blocks"] > 0:
+        out["block_scale_zero_pct"] = 100.0 * s["zero_scale_blocks"] / s["blocks"]
+        out["block_scale_subnormal_pct"] = 100.0 * s["subnormal_scale_blocks"] / s["blocks"]
+    for name in ("tensor_scale", "block_scale"):
+        if m[f"{name}_max"] > -math.inf:
+            out[f"{name}_min"] = -m[f"neg_{name}_min"]
+            out[f"{name}_max"] = m[f"{name}_max"]
     if kind == "hifp8":
         total = sum(s[f"hifp8_{r}"] for r in HIFP8_REGIONS)
         for region in HIFP8_REGIONS:

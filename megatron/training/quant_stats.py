@@ -4,7 +4,9 @@ Every N iterations the QuantTelemetry observer (megatron/tensor_capture/telemetr
 measures every GEMM operand during the step; after it, one reduction over all ranks gives
 per-(site, operand) metrics, written as `quant/<site>/<gemm>.<operand>/<metric>` (e.g.
 `quant/L2.linear_fc2/fprop.input/flushed_pct`) plus `quant/worst/saturated_pct` and
-`quant/worst/flushed_pct`, and summarised in the next log line by the worst site.
+`quant/worst/flushed_pct` (and, when NVFP4 operands were measured,
+`quant/worst/block_scale_zero_pct` and `quant/worst/block_scale_subnormal_pct`), and
+summarised in the next log line by the worst site.
 """
 
 from __future__ import annotations
@@ -29,16 +31,23 @@ def stats_interval_warnings(args) -> List[str]:
     return []
 
 
+# Metrics whose largest value over the operands is tagged quant/worst/<metric> (the NVFP4
+# block-scale shares only where NVFP4 operands were measured).
+WORST_METRICS = ("saturated_pct", "flushed_pct", "block_scale_zero_pct",
+                 "block_scale_subnormal_pct")
+
+
 def scalar_tags(results: Results) -> Dict[str, float]:
     """{tag: value} for TensorBoard / W&B, worst-case tags included."""
     tags = {f"quant/{site}/{operand}/{metric}": value
             for (site, operand), values in sorted(results.items())
             for metric, value in values.items()}
-    for metric in ("saturated_pct", "flushed_pct"):
+    for metric in WORST_METRICS:
         worst = worst_operand(results, metric)
         if worst is not None:
             tags[f"quant/worst/{metric}"] = worst[1]
     return tags
+
 
 
 def worst_operand(results: Results, metric: str) -> Optional[Tuple[str, float]]:
@@ -49,9 +58,12 @@ def worst_operand(results: Results, metric: str) -> Optional[Tuple[str, float]]:
 
 
 def summary(results: Results, iteration: int) -> str:
-    """The log-line part: the worst saturated and flushed operands of a measured iteration."""
+    """The log-line part: the worst saturated and flushed operands of a measured iteration
+    (and the NVFP4 operands with the largest shares of zero / subnormal block scales)."""
     parts = []
-    for metric, label in (("saturated_pct", "saturated"), ("flushed_pct", "flushed")):
+    for metric, label in (("saturated_pct", "saturated"), ("flushed_pct", "flushed"),
+                          ("block_scale_zero_pct", "zero-scale blocks"),
+                          ("block_scale_subnormal_pct", "subnormal-scale blocks")):
         worst = worst_operand(results, metric)
         if worst is not None:
             parts.append(f"{label} {worst[1]:.3g}% ({worst[0]})")

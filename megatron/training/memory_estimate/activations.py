@@ -13,7 +13,8 @@ from typing import Dict, List, Tuple
 import torch
 
 from megatron.training.memory_estimate.kernels import (
-    BalancedRoutingMode, GpuKernelsMode, LargestTemporaryMode, build_meta_model, cuda_to_meta)
+    BalancedRoutingMode, GpuKernelsMode, LargestTemporaryMode, build_meta_model, cuda_to_meta,
+    stochastic_rounding_on_meta)
 from megatron.training.memory_estimate.layout import (
     Layout, moe_layers, per_rank_shapes, single_rank_args)
 
@@ -160,6 +161,7 @@ def measure_saved(model, args, pre_process: bool, post_process: bool, device, tp
             stack.enter_context(GpuKernelsMode())
             if torch.device(device).type == "meta":
                 stack.enter_context(cuda_to_meta())
+                stack.enter_context(stochastic_rounding_on_meta())
             if routing:
                 stack.enter_context(BalancedRoutingMode())
             if backward:

@@ -102,6 +102,38 @@ def cuda_to_meta():
         torch.cuda.current_device = current_device
 
 
+@contextlib.contextmanager
+def stochastic_rounding_on_meta():
+    """Stochastic rounding on the meta device, with the memory it takes on a GPU.
+
+    A stochastically rounded operand (megatron.quantization.gemm.quantize_operand with a seed)
+    draws one uniform float32 number per element from a torch.Generator on the operand's
+    device (randomness.generator, formats' uniform_noise); the meta device has no generator.
+    During a measurement a meta operand gets a CPU generator and, for its noise, a float32 meta
+    tensor of its own shape: the temporary a GPU allocates for the draws, without values (the
+    rounding that reads them has none either). Restored on exit.
+    """
+    from megatron.quantization import formats, randomness
+
+    make_generator, draw = randomness.generator, formats.uniform_noise
+
+    def generator(seed: int, device) -> torch.Generator:
+        if torch.device(device).type == "meta":
+            return torch.Generator().manual_seed(int(seed))
+        return make_generator(seed, device)
+
+    def uniform_noise(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        if x.is_meta:
+            return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return draw(x, gen)
+
+    randomness.generator, formats.uniform_noise = generator, uniform_noise
+    try:
+        yield
+    finally:
+        randomness.generator, formats.uniform_noise = make_generator, draw
+
+
 def build_meta_model(args, pre_process: bool = True, post_process: bool = True,
                      expert_parallel: int = 1):
     """GPTModel of single-rank `args` on the meta device, quantized as `args` says.

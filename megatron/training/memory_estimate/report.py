@@ -98,6 +98,7 @@ def _estimate_stage(args, layout: Layout, stage: int, params: StageParameters, v
              "save counts 1/TP" if layout.sequence_parallel else "no sequence parallelism"]
     if args.num_experts is not None:
         notes.append("MoE routing measured balanced (token t -> experts t*k .. t*k+k-1)")
+    notes += quantization_notes(args)
     return MemoryEstimate(
         stage=stage, pipeline_stages=layout.pp, parameters=params.count,
         parameter_bytes=params.bytes, gradient_bytes=gradient_bytes(args, params),
@@ -109,6 +110,49 @@ def _estimate_stage(args, layout: Layout, stage: int, params: StageParameters, v
         recompute_bytes=recompute_bytes(args, layout, stage, vocab, per_layer),
         largest_temporary_bytes=measured.temporary_bytes, largest_temporary=measured.temporary,
         gpu_memory_bytes=gpu_bytes, notes=notes)
+
+
+def _site_configs(quant_config) -> list:
+    """Every MatmulQuantConfig of a QuantConfig: its per-kind configs and those of a recipe
+    file's rules."""
+    from megatron.quantization.gemm import MatmulQuantConfig
+
+    found = []
+    values = list(vars(quant_config).values()) if quant_config is not None else []
+    while values:
+        value = values.pop()
+        if isinstance(value, MatmulQuantConfig):
+            found.append(value)
+        elif isinstance(value, dict):
+            values.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            values.extend(value)
+        elif hasattr(value, "configs"):             # recipes.RecipeRules
+            values.append(value.configs)
+    return found
+
+
+def quantization_notes(args) -> List[str]:
+    """What the quantization adds beyond the saved operands (the quantized GEMMs save only
+    their high-precision operands, whatever the format): the temporaries of stochastic
+    rounding, the Hadamard transform and delayed scaling's histories, which the measurement
+    (the model's own forward and backward) counts; and --quant-compile."""
+    configs = [c for c in _site_configs(getattr(args, "quant_config", None)) if c.enabled]
+    notes = []
+    if any(c.stochastic for c in configs):
+        notes.append("stochastic rounding: each rounded operand draws a float32 noise tensor of "
+                     "its size (a temporary, measured)")
+    if any(c.rht_gemms for c in configs):
+        notes.append("Hadamard transform: the GEMM rotates float32 copies of its operands, "
+                     "zero-padded to the block (temporaries, measured; not kept for backward)")
+    if any(c.delayed(fmt) for c in configs for gemm in ("fprop", "dgrad", "wgrad")
+           for fmt in (getattr(c, gemm).a, getattr(c, gemm).b)):
+        notes.append("FP8 delayed scaling: the amax histories (--fp8-amax-history-len floats "
+                     "per operand and site) are negligible")
+    if getattr(args, "quant_compile", False):
+        notes.append("--quant-compile: measured on the eager quantization path; compiled "
+                     "kernels fuse its temporaries, so the largest temporary is an upper bound")
+    return notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +183,18 @@ def describe_layout(args) -> str:
     return ", ".join(parts)
 
 
+def _recipe_text(args) -> str:
+    """The quantization recipe flags beside the scheme name (which they may override)."""
+    parts = []
+    if getattr(args, "quant_recipe", None):
+        parts.append(f"recipe {args.quant_recipe}")
+    if getattr(args, "quant_recipe_file", None):
+        parts.append(f"recipe file {args.quant_recipe_file}")
+    if getattr(args, "fp8_format", None):
+        parts.append(f"FP8 {args.fp8_format} {getattr(args, 'fp8_recipe', None) or 'delayed'}")
+    return "".join(f", {p}" for p in parts)
+
+
 def format_estimate(est: MemoryEstimate, args) -> str:
     """The report `main` prints."""
     model = args.model_preset or f"{args.num_layers} layers, hidden {args.hidden_size}"
@@ -153,7 +209,7 @@ def format_estimate(est: MemoryEstimate, args) -> str:
     lines = [
         f"Memory per GPU ({stage}), measured on the meta device",
         f"  {model}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, {dtype}, "
-        f"quant scheme {args.quant_scheme}",
+        f"quant scheme {args.quant_scheme}{_recipe_text(args)}",
         f"  {describe_layout(args)}",
         f"  parameters            {gib(est.parameter_bytes):>12}  ({est.parameters:,} on this "
         "rank)",
