@@ -242,3 +242,23 @@ def test_recipe_file_contradicting_flags(tmp_path):
         ["--quant-recipe", "nvfp4", "--quant-recipe-file", path])
     assert "with --quant-wgrad" in error(["--quant-recipe-file", path, "--quant-wgrad", "none"])
     assert "cannot read it" in error(["--quant-recipe-file", str(tmp_path / "missing.yaml")])
+
+
+def test_the_run_is_labelled_by_what_chose_its_formats(tmp_path):
+    """Capture directories, run files and reports use args.quant_scheme: the scheme the --fp8-*
+    flags imply, or the recipe's name, never a bf16 that was not run."""
+    def label(extra):
+        args = parse_args(TINY_MOCK_ARGS + ["--train-iters", "2"] + extra)
+        args.world_size = 1
+        args = validate_args(args, check_paths=False)
+        return args.quant_scheme, args.quant_scheme_source
+
+    assert label(["--fp8-format", "hybrid"]) == ("linear_fp8", "--fp8-format")
+    assert label(["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"]) == ("linear_mxfp8",
+                                                                          "--fp8-format")
+    assert label(["--quant-recipe", "nvfp4"]) == ("recipe_nvfp4", "--quant-recipe")
+    path = write(tmp_path, RECIPE)
+    assert label(["--quant-recipe-file", path])[0] == "recipe_file"
+    assert label(["--quant-scheme", "FA_mxfp8", "--quant-recipe-file", path]) == (
+        "FA_mxfp8_recipe_file", "--quant-scheme and --quant-recipe-file")
+    assert label(["--quant-scheme", "linear_mxfp4"]) == ("linear_mxfp4", "--quant-scheme")

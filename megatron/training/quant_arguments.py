@@ -262,3 +262,14 @@ def validate_quantization_args(args):
         args.quant_config = quant_config_from_args(args)
     except SchemeError as exc:
         raise ConfigError(str(exc)) from None
+    # The run's label (capture directories, run files, reports): the scheme the --fp8-* flags
+    # imply, or the recipe's name.
+    quant = args.quant_config
+    if quant.scheme != args.quant_scheme:
+        args.quant_scheme, args.quant_scheme_source = quant.scheme, "--fp8-format"
+    if quant.recipe:
+        args.quant_scheme, args.quant_scheme_source = f"recipe_{quant.recipe}", "--quant-recipe"
+    elif quant.rules is not None:
+        args.quant_scheme = ("recipe_file" if args.quant_scheme == "bf16"
+                             else f"{args.quant_scheme}_recipe_file")
+        args.quant_scheme_source += " and --quant-recipe-file"
