@@ -152,3 +152,16 @@ def test_recipe_file_run_and_a_file_that_matches_nothing(tmp_path):
                     "enabled: true}\n")
     with pytest.raises(ConfigError, match="no matcher matches any GEMM site"):
         train(["--quant-recipe-file", str(path)], iters=1)
+
+
+def test_quant_compile_trains_the_recipes_exactly_as_eager():
+    """--quant-compile (torch.compile of fake_quantize) on the NVFP4 recipe (stochastic
+    rounding, 16x16 weight tiles, RHT) and on delayed FP8: bit for bit the eager losses."""
+    from megatron.quantization.formats import set_compile
+    for extra in (["--quant-recipe", "nvfp4"], ["--fp8-format", "hybrid", "--bf16"]):
+        eager = train(extra, iters=2)
+        try:
+            compiled = train(extra + ["--quant-compile"], iters=2)
+        finally:
+            set_compile(False)
+        assert compiled.losses == eager.losses, extra
