@@ -32,7 +32,7 @@ class FakeDisk:
 
     def inside(self, path) -> bool:
         try:
-            path = os.path.realpath(os.fspath(path))
+            path = os.path.realpath(os.fsdecode(os.fspath(path)))   # bytes too (TensorBoard)
         except TypeError:
             return False
         return path == self.root or path.startswith(self.root + os.sep)

@@ -244,3 +244,112 @@ def test_malformed_run_and_summary_files_are_ignored(capture, tmp_path, kind, co
     assert code == 0 and _kinds(doc) == [f"bad_{kind}_file"]
     assert words in doc["problems"][0]["message"]
     assert doc["quant_types"]["FA_linear_mxfp8"]["overall"]["records"] > 0
+
+
+def _plant_record(directory, change, manifest_shape=None):
+    """Rewrite the first record of `directory` with change(record); optionally make its
+    manifest line announce `manifest_shape`."""
+    manifest = _manifest(directory)
+    lines = open(manifest).read().splitlines()
+    entry = json.loads(lines[0])
+    path = os.path.join(directory, entry["file"])
+    record = torch.load(path, weights_only=True)
+    change(record)
+    torch.save(record, path)
+    if manifest_shape is not None:
+        entry["tensor_info"]["shape"] = manifest_shape
+        entry["tensor_info"]["numel"] = int(torch.Size(manifest_shape).numel())
+        lines[0] = json.dumps(entry)
+        open(manifest, "w").write("\n".join(lines) + "\n")
+    return path, len(lines)
+
+
+def test_an_expanded_record_is_refused_fast(capture, tmp_path):
+    """A few KB on disk that would be 400 M elements in the analysis (stride-0 view)."""
+    import time
+    root = _copy(capture, tmp_path)
+    directory = os.path.join(root, "FA_linear_mxfp8")
+
+    entry = json.loads(open(_manifest(directory)).readline())
+    big = [1] * (len(entry["tensor_info"]["shape"]) - 2) + [20000, 20000]
+
+    def expand(record):
+        for key in ("tensor", "quantized"):
+            record[key] = torch.zeros([1] * len(big), dtype=record[key].dtype).expand(*big)
+
+    path, n = _plant_record(directory, expand, manifest_shape=big)
+    assert os.path.getsize(path) < 10_000
+    start = time.perf_counter()
+    code, doc, out = _run(tmp_path, "--tensor-dir", root)
+    assert time.perf_counter() - start < 30
+    assert code == 0 and _kinds(doc) == ["bad_record"]
+    assert doc["problems"][0]["message"] == (
+        f"{path}: record tensor {big} stores 1 of its 400000000 elements (an expanded "
+        "view, not a dense tensor); skipped")
+    assert doc["quant_types"]["FA_linear_mxfp8"]["overall"]["records"] == n - 1
+    assert "expanded view" in open(os.path.join(out, "report.html")).read()
+
+
+def test_a_record_whose_shape_or_dtype_differs_from_its_manifest_line(capture, tmp_path):
+    root = _copy(capture, tmp_path)
+    directory = os.path.join(root, "FA_linear_mxfp8")
+    entry = json.loads(open(_manifest(directory)).readline())
+    shape, dtype = entry["tensor_info"]["shape"], entry["tensor_info"]["dtype"]
+
+    def grow(record):
+        record["tensor"] = torch.zeros([2 * shape[0]] + shape[1:], dtype=record["tensor"].dtype)
+        record["quantized"] = record["tensor"].clone()
+
+    path, n = _plant_record(directory, grow)
+    code, doc, _ = _run(tmp_path, "--tensor-dir", root)
+    assert code == 0 and _kinds(doc) == ["bad_record"]
+    assert doc["problems"][0]["message"] == (
+        f"{path}: record tensor {[2 * shape[0]] + shape[1:]} {dtype} but the manifest says "
+        f"{shape} {dtype}; skipped".replace("tensor [", "tensor is [", 1))
+    assert doc["quant_types"]["FA_linear_mxfp8"]["overall"]["records"] == n - 1
+
+
+def _loss_log(path, start):
+    lines = [f" [2026-01-01 00:00:00] iteration {i:8d}/      10 | lm loss: {start - 0.1 * i:.6E} |"
+             for i in range(1, 11)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_a_run_name_with_dollars_is_drawn_literally(capture, tmp_path):
+    """matplotlib reads `$...$` as mathtext: a run called `cost$x^$ run` (a mathtext error)
+    must not abort the figures or the report."""
+    from megatron.analysis.plots import mpl_escape
+    assert mpl_escape("a$b$c") == r"a\$b\$c" == mpl_escape(r"a\$b\$c")
+    runs = [f"bf16={_loss_log(tmp_path / 'a.log', 11.0)}",
+            f"cost$x^$ run={_loss_log(tmp_path / 'b.log', 11.2)}"]
+    out = str(tmp_path / "out")
+    code = main(["--tensor-dir", capture, "--loss-logs", *runs, "--output-dir", out,
+                 "--no-progress", "--workers", "1", "--log-level", "WARNING"])
+    assert code == 0
+    doc = load_json(os.path.join(out, "statistics.json"))
+    assert _kinds(doc) == []
+    assert "loss_curves.png" in [f["file"] for f in doc["figures"]]
+    assert "cost$x^$ run" in open(os.path.join(out, "report.html")).read()
+
+
+def test_a_figure_that_fails_costs_only_that_figure(capture, tmp_path, monkeypatch):
+    from megatron.analysis import plots
+
+    def broken(*args, **kwargs):
+        raise ValueError("cannot draw this\nsecond line")
+
+    monkeypatch.setattr(plots, "layer_absmax", broken)
+    out = str(tmp_path / "out")
+    code = main(["--tensor-dir", capture, "--output-dir", out, "--no-progress", "--workers",
+                 "1", "--log-level", "WARNING"])
+    assert code == 0
+    doc = load_json(os.path.join(out, "statistics.json"))
+    assert _kinds(doc) == ["figure_failed"]
+    assert doc["problems"][0]["message"] == (
+        "figure layer_absmax could not be drawn (ValueError: cannot draw this); the report "
+        "goes on without it")
+    files = [f["file"] for f in doc["figures"]]
+    assert files and "layer_absmax.png" not in files
+    assert "figure layer_absmax could not be drawn" in open(
+        os.path.join(out, "report.html")).read()

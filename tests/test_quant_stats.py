@@ -207,4 +207,26 @@ def test_bad_interval_is_one_line(capsys):
                            check_paths=False)
     assert stats_interval_warnings(beyond) == [
         "warning: --quant-stats-interval 10 is beyond --train-iters 2: no iteration is "
-        "measured (valid: 1..2)"]
+        "measured (valid: 1..2)", NOWHERE.format(10)]
+
+
+NOWHERE = ("warning: --quant-stats-interval {}: the per-operand metrics are only written to "
+           "TensorBoard/W&B, and neither is on; the log line keeps only the summary (give "
+           "--tensorboard-dir DIR to keep them)")
+
+
+def test_interval_without_tensorboard_warns_once(tmp_path, capsys):
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.quant_stats import stats_interval_warnings
+    base = TINY_MOCK_ARGS + ["--train-iters", "2", "--quant-stats-interval", "1"]
+    assert stats_interval_warnings(validate_args(parse_args(base), check_paths=False)) == [
+        NOWHERE.format(1)]
+    with_tb = validate_args(parse_args(base + ["--tensorboard-dir", str(tmp_path / "tb")]),
+                            check_paths=False)
+    assert stats_interval_warnings(with_tb) == []
+    # printed once at start-up by a real run, which still trains to the end
+    result = pretrain(pretrain_gpt.forward_step, base + ["--quant-scheme", SCHEME])
+    assert result.exit_code == 0 and result.iteration == 2
+    out = capsys.readouterr().out.splitlines()
+    assert [l for l in out if l.startswith("warning: --quant-stats-interval")] == [
+        NOWHERE.format(1)]

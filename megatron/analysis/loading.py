@@ -273,9 +273,17 @@ def _inside(path: str, directory: str) -> bool:
     return os.path.commonpath([root, os.path.realpath(path)]) == root
 
 
-def check_record(record, source: str, metadata: Optional[dict] = None) -> Optional[str]:
+def _not_dense(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has fewer stored elements than it has elements (a stride-0 expanded
+    view: a few bytes on disk that would take numel x element size to analyse)."""
+    return tensor.untyped_storage().nbytes() < tensor.numel() * tensor.element_size()
+
+
+def check_record(record, source: str, metadata: Optional[dict] = None,
+                 tensor_info: Optional[dict] = None) -> Optional[str]:
     """Why a loaded record cannot be analysed, or None when it follows the format (and, given
-    its manifest metadata, holds the quantized copy that metadata announces)."""
+    its manifest metadata, holds the quantized copy that metadata announces; given its
+    manifest tensor_info, has the shape and dtype written there). Tensors must be dense."""
     if not isinstance(record, dict):
         return f"{source}: not a record dict"
     version = record.get("format_version")
@@ -287,12 +295,26 @@ def check_record(record, source: str, metadata: Optional[dict] = None) -> Option
         return f"{source}: record has no tensor; skipped"
     if tensor.dtype not in RECORD_DTYPES:
         return f"{source}: unsupported dtype {tensor.dtype}; skipped"
+    if isinstance(tensor_info, dict):
+        shape, dtype = tensor_info.get("shape"), tensor_info.get("dtype")
+        if (shape is not None and shape != list(tensor.shape)) \
+                or (dtype is not None and dtype != str(tensor.dtype)):
+            return (f"{source}: record tensor is {list(tensor.shape)} {tensor.dtype} but the "
+                    f"manifest says {shape} {dtype}; skipped")
+    if _not_dense(tensor):
+        return (f"{source}: record tensor {list(tensor.shape)} stores "
+                f"{tensor.untyped_storage().nbytes() // tensor.element_size()} of its "
+                f"{tensor.numel()} elements (an expanded view, not a dense tensor); skipped")
     if metadata is None or metadata.get("format", "none") == "none":
         return None
     quantized = record.get("quantized")
     if not isinstance(quantized, torch.Tensor) or quantized.shape != tensor.shape:
         return (f"{source}: the manifest says format {metadata['format']} but the record has "
                 f"no quantized tensor of shape {list(tensor.shape)}; skipped")
+    if _not_dense(quantized):
+        return (f"{source}: record's quantized tensor {list(quantized.shape)} stores "
+                f"{quantized.untyped_storage().nbytes() // quantized.element_size()} of its "
+                f"{quantized.numel()} elements (an expanded view, not a dense tensor); skipped")
     return None
 
 

@@ -283,8 +283,12 @@ def plot_losses(curves: List[LossCurve], baseline: str, outdir: str,
         axes[1, 0].legend(fontsize=8, ncol=3)
     axes[-1, 0].set_xlabel("iteration")
     path = os.path.join(outdir, "loss_curves.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        from megatron.analysis.plots import escape_figure_text
+        escape_figure_text(fig)      # run names are user input: a `$` must stay a `$`
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
     caption = "Training loss (lines) and validation loss (diamonds) against iteration"
     if rows == 2:
         caption += (f"; below, (loss - {baseline} loss) / {baseline} loss in percent at the "

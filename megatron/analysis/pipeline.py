@@ -180,7 +180,8 @@ def analyze(options: Options) -> AnalysisResult:
                          f"loss baseline {options.loss_baseline} is not among the runs "
                          f"({', '.join(c.name for c in curves)}); no gaps computed")
         if options.figures:
-            fig = loss_mod.plot_losses(curves, options.loss_baseline, figure_dir, colors=colors)
+            fig = plots.drawn_or_problem(lambda: loss_mod.plot_losses(
+                curves, options.loss_baseline, figure_dir, colors=colors), "loss_curves")
             if fig:
                 figures.insert(0, fig)
     telemetry_doc = None
@@ -194,6 +195,9 @@ def analyze(options: Options) -> AnalysisResult:
         figure = _study_figure(options.study, figure_dir)
         if figure:
             figures.insert(0, figure)
+    for failed in [f for f in figures if "problem" in f]:   # drawn_or_problem: that figure only
+        problems.add("figure_failed", failed["problem"])
+    figures = [f for f in figures if "problem" not in f]
     t_figures = time.perf_counter()
     timing = {"manifests_seconds": round(t_manifest - t_start, 3),
               "summaries_seconds": round(t_summary - t_manifest, 3),

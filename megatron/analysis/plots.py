@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Dict, List, Optional, Sequence
 
 import matplotlib
@@ -17,7 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+from matplotlib.ticker import FixedFormatter, MaxNLocator  # noqa: E402
 
 from megatron.analysis import forking  # noqa: E402
 from megatron.analysis.accumulators import (  # noqa: E402
@@ -59,14 +61,48 @@ def scheme_colors(quant_schemes: Sequence[str]) -> Dict[str, tuple]:
     return {scheme: cmap(i % 10) for i, scheme in enumerate(sorted(quant_schemes))}
 
 
+def mpl_escape(text: str) -> str:
+    """`text` as matplotlib shows it literally: run and scheme names are user input, and a
+    `$` in one would start mathtext (and fail to render). Idempotent."""
+    return re.sub(r"(?<!\\)\$", r"\\$", text)
+
+
+def escape_figure_text(fig) -> None:
+    """Every text of `fig` (titles, labels, legends, annotations, fixed tick labels) through
+    mpl_escape: the one place labels are escaped, for every figure of the analysis."""
+    for artist in fig.findobj(Text):
+        text = artist.get_text()
+        if "$" in text:
+            artist.set_text(mpl_escape(text))
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            formatter = axis.get_major_formatter()
+            if isinstance(formatter, FixedFormatter):
+                formatter.seq = [mpl_escape(str(t)) for t in formatter.seq]
+
+
 def save_figure(fig, outdir: str, name: str) -> str:
     # Minor ticks cost most of the drawing time (log axes) and add little here.
     for ax in fig.axes:
         ax.minorticks_off()
     path = os.path.join(outdir, name)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    try:
+        escape_figure_text(fig)
+        fig.savefig(path, dpi=DPI)
+    finally:
+        plt.close(fig)
     return name
+
+
+def drawn_or_problem(draw, what: str):
+    """draw() (a figure dict or None); a figure that fails to draw costs only itself: it
+    returns {"problem": one line} instead, for the caller's problem list."""
+    try:
+        return draw()
+    except Exception as exc:  # noqa: BLE001 - any drawing error costs this figure only
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return {"problem": f"figure {what} could not be drawn ({type(exc).__name__}: "
+                           f"{reason}); the report goes on without it"}
 
 
 def _density(hist: np.ndarray):
@@ -756,6 +792,11 @@ _SHARED = {}   # the groups, inherited by forked figure workers instead of being
 
 
 def _render(task):
+    what = task[0] if task[1] in (True, False) else f"{task[0]} ({task[1]})"
+    return drawn_or_problem(lambda: _render_one(task), what)
+
+
+def _render_one(task):
     name, arg, which = task
     groups, outdir, colors = _SHARED[which], _SHARED["outdir"], _SHARED["colors"]
     fn = globals()[name]

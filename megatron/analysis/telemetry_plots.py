@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from megatron.analysis.plots import save_figure  # noqa: E402
+from megatron.analysis.plots import drawn_or_problem, save_figure  # noqa: E402
 from megatron.analysis.telemetry import site_operands  # noqa: E402
 
 # (metric, axis label, worst = max?)
@@ -134,6 +134,8 @@ def per_layer(frame, outdir: str) -> Optional[dict]:
 
 def make_all(frame, outdir: str, colors: Dict[str, tuple]) -> List[dict]:
     os.makedirs(outdir, exist_ok=True)
-    figures = [over_iterations(frame, outdir, colors), per_layer(frame, outdir)]
+    figures = [drawn_or_problem(lambda: over_iterations(frame, outdir, colors),
+                                "over_iterations"),
+               drawn_or_problem(lambda: per_layer(frame, outdir), "per_layer")]
     return [f for f in figures if f is not None]
 

@@ -102,7 +102,7 @@ def summarize_entry(entry: Entry, result: BatchResult, use_tensors: bool = True)
             return
         t1 = time.perf_counter()
         result.seconds_load += t1 - t0
-        why = check_record(record, entry.path, m)
+        why = check_record(record, entry.path, m, entry.tensor_info)
         if why:
             result.problems.append(_problem("bad_record", why))
             return

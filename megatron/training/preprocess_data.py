@@ -285,10 +285,14 @@ class _AtomicIndexedWriter:
 
 
 def _pool_context():
-    # fork, whatever start method the caller configured: workers start at once instead of
-    # re-importing numpy, the tokenizer and megatron.core each.
-    if "fork" in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("fork")
+    """forkserver where available: the workers are forked from a fresh server process, not
+    from the caller, whose state may not survive a fork (a process that has run torch.compile
+    kernels or holds threads can crash in a forked child's garbage collection); the server
+    imports this module once, so workers still start without re-importing it each."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+        return context
     return multiprocessing.get_context()
 
 

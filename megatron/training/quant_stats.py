@@ -17,18 +17,26 @@ from typing import Callable, Dict, List, Optional, Tuple
 from megatron.quantization.observers import register_observer, unregister_observer
 from megatron.tensor_capture.callback import collect_sites
 from megatron.tensor_capture.telemetry import QuantTelemetry, site_label
+from megatron.training.wandb_writer import wandb_problem
 
 Results = Dict[Tuple[str, str], Dict[str, float]]
 _LIVE: "weakref.WeakSet[QuantTelemetry]" = weakref.WeakSet()
 
 
 def stats_interval_warnings(args) -> List[str]:
-    """A line when --quant-stats-interval is on but no iteration of this run is measured."""
+    """Lines when --quant-stats-interval is on but no iteration of this run is measured, or
+    its per-operand metrics have nowhere to go (neither TensorBoard nor W&B)."""
     interval, last = args.quant_stats_interval, args.train_iters
+    lines = []
     if interval and last is not None and interval > last:
-        return [f"warning: --quant-stats-interval {interval} is beyond --train-iters {last}: "
-                f"no iteration is measured (valid: 1..{last})"]
-    return []
+        lines.append(f"warning: --quant-stats-interval {interval} is beyond --train-iters "
+                     f"{last}: no iteration is measured (valid: 1..{last})")
+    wandb_on = getattr(args, "wandb_project", None) and wandb_problem(args) is None
+    if interval and not getattr(args, "tensorboard_dir", None) and not wandb_on:
+        lines.append(f"warning: --quant-stats-interval {interval}: the per-operand metrics are "
+                     "only written to TensorBoard/W&B, and neither is on; the log line keeps "
+                     "only the summary (give --tensorboard-dir DIR to keep them)")
+    return lines
 
 
 # Metrics whose largest value over the operands is tagged quant/worst/<metric> (the NVFP4

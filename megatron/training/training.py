@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -41,7 +42,8 @@ from megatron.training.data_files import check_dataset_files
 from megatron.training.errors import TrainingError
 from megatron.training.precision import describe_precision
 from megatron.training.quant_stats import QuantStatsCallback, stats_interval_warnings
-from megatron.training.wandb_writer import open_wandb, wandb_problem
+from megatron.training.wandb_writer import (
+    open_wandb, wandb_failure, wandb_problem, wandb_write_errors)
 from megatron.training.initialize import (
     destroy_distributed,
     initialize_distributed,
@@ -299,29 +301,84 @@ def _max_over_ranks(*values: float) -> list:
 
 
 class _TrainingLogger:
+    """The log line, TensorBoard and W&B. A writer that fails (a full disk, a lost
+    connection) costs one warning and that writer's scalars from then on, never the run."""
+
     def __init__(self, args):
         self.args = args
         self.writer = None
         self.wandb = None
+        self.iteration = None          # the last iteration scalars were written for
         if is_last_rank():
             if args.tensorboard_dir:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
-            self.wandb = open_wandb(args)
+                try:
+                    self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+                except tensorboard_write_errors() as exc:
+                    self._writer_failed("tensorboard", exc)
+                else:
+                    self._quiet_writer_thread()
+            try:
+                self.wandb = open_wandb(args)
+            except wandb_write_errors() as exc:
+                self._writer_failed("wandb", exc)
         self.interval_start = time.perf_counter()
         self.interval_iters = 0
         self.skipped = 0
         self.nan_iters = 0
         self.quant_summary = None
 
+    def _quiet_writer_thread(self) -> None:
+        """TensorBoard writes from a thread that re-raises its write error as it ends; the
+        error reaches this logger at the next add_scalar/flush (one warning), so the thread's
+        own traceback is not printed. Restored by close()."""
+        previous = threading.excepthook
+
+        def hook(hook_args):
+            if not (type(hook_args.thread).__name__ == "_AsyncWriterThread"
+                    and isinstance(hook_args.exc_value, tensorboard_write_errors())):
+                previous(hook_args)
+
+        threading.excepthook = hook
+        self._thread_hook = (hook, previous)
+
+    def _writer_failed(self, which: str, exc: BaseException) -> None:
+        """One warning; that writer is closed as far as it still can be and not used again."""
+        when = "at start-up" if self.iteration is None else f"at iteration {self.iteration}"
+        if which == "tensorboard":
+            writer, self.writer = self.writer, None
+            print_rank_last(f"warning: writing TensorBoard scalars to {self.args.tensorboard_dir} "
+                            f"failed {when} ({_write_error_reason(exc)}): training goes on "
+                            "without them")
+            if writer is not None:
+                try:    # keeps what was queued before the failure, where the disk still takes it
+                    writer.close()
+                except tensorboard_write_errors():
+                    pass
+        else:
+            run, self.wandb = self.wandb, None
+            print_rank_last(f"warning: {wandb_failure(self.args, when, _write_error_reason(exc))}")
+            if run is not None:
+                try:
+                    run.finish()
+                except wandb_write_errors():
+                    pass
+
     def scalars(self, values: Dict[str, float], iteration: int) -> None:
-        """Write scalars to TensorBoard and W&B (whichever are open)."""
+        """Write scalars to TensorBoard and W&B (whichever are open and working)."""
+        self.iteration = iteration
         if self.writer is not None:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, iteration)
+            try:
+                for tag, value in values.items():
+                    self.writer.add_scalar(tag, value, iteration)
+            except tensorboard_write_errors() as exc:
+                self._writer_failed("tensorboard", exc)
         if self.wandb is not None:
-            self.wandb.log(dict(values), step=iteration)
+            try:
+                self.wandb.log(dict(values), step=iteration)
+            except wandb_write_errors() as exc:
+                self._writer_failed("wandb", exc)
 
     def log_quant_stats(self, iteration: int, tags: Dict[str, float], summary: str) -> None:
         """--quant-stats-interval results: scalars now, the summary in the next log line."""
@@ -381,16 +438,47 @@ class _TrainingLogger:
         print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         self.scalars({"lm loss validation": loss}, iteration)
         if self.writer is not None:
-            self.writer.flush()
+            try:
+                self.writer.flush()
+            except tensorboard_write_errors() as exc:
+                self._writer_failed("tensorboard", exc)
 
     def close(self):
         if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+            try:
+                self.writer.flush()
+                self.writer.close()
+            except tensorboard_write_errors() as exc:
+                self._writer_failed("tensorboard", exc)
             self.writer = None
         if self.wandb is not None:
-            self.wandb.finish()
+            try:
+                self.wandb.finish()
+            except wandb_write_errors() as exc:
+                self._writer_failed("wandb", exc)
             self.wandb = None
+        hook, previous = getattr(self, "_thread_hook", None) or (None, None)
+        if hook is not None and threading.excepthook is hook:
+            threading.excepthook = previous
+        self._thread_hook = None
+
+
+def tensorboard_write_errors() -> tuple:
+    """What a SummaryWriter raises when its event file cannot be written: OSError (local
+    files), or TensorFlow's OpError where TensorFlow's file system layer is used."""
+    errors = [OSError]
+    try:
+        from tensorboard.compat import tf as _tf
+        errors.append(_tf.errors.OpError)
+    except Exception:   # noqa: BLE001 - no TensorBoard error classes to add
+        pass
+    return tuple(errors)
+
+
+def _write_error_reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------

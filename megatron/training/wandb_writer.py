@@ -32,3 +32,22 @@ def open_wandb(args):
         os.makedirs(args.wandb_save_dir, exist_ok=True)
         kwargs["dir"] = args.wandb_save_dir
     return wandb.init(**kwargs)
+
+
+def wandb_write_errors() -> tuple:
+    """What W&B raises when it cannot write or send: OSError (its run directory), and
+    wandb's own errors (a lost connection, a run that ended)."""
+    errors = [OSError]
+    try:
+        import wandb
+        errors.append(wandb.errors.Error)
+    except Exception:   # noqa: BLE001 - wandb missing or without an errors module
+        pass
+    return tuple(errors)
+
+
+def wandb_failure(args, when: str, reason: str) -> str:
+    """The text of the one warning printed when W&B logging fails during a run."""
+    where = args.wandb_save_dir or f"project {args.wandb_project}"
+    return (f"writing W&B scalars to {where} failed {when} ({reason}): training goes on "
+            "without them")
