@@ -129,10 +129,12 @@ def int_map() -> Check:
     return check
 
 
-def exponent_histogram() -> Check:
+def _histogram(lo_bound: int, hi_bound: int, range_text: str) -> Check:
+    """{"min": lo or null, "counts": [...]}: a histogram over integer bins that stays within
+    [lo_bound, hi_bound]."""
     def check(value):
-        valid = (f"{{\"min\": an integer in [{MIN_SHARED_EXPONENT}, {MAX_SHARED_EXPONENT}] or "
-                 "null, \"counts\": a list of integers >= 0 that stays within the E8M0 range}")
+        valid = (f"{{\"min\": an integer in [{lo_bound}, {hi_bound}] or null, \"counts\": a "
+                 f"list of integers >= 0 that stays within {range_text}}}")
         if not isinstance(value, dict):
             return valid
         lo, counts = value.get("min"), value.get("counts")
@@ -141,10 +143,14 @@ def exponent_histogram() -> Check:
             return valid
         if lo is None:
             return None if not any(counts) else valid
-        if not _is_int(lo) or not MIN_SHARED_EXPONENT <= lo <= MAX_SHARED_EXPONENT:
+        if not _is_int(lo) or not lo_bound <= lo <= hi_bound:
             return valid
-        return None if lo + len(counts) - 1 <= MAX_SHARED_EXPONENT else valid
+        return None if lo + len(counts) - 1 <= hi_bound else valid
     return check
+
+
+def exponent_histogram() -> Check:
+    return _histogram(MIN_SHARED_EXPONENT, MAX_SHARED_EXPONENT, "the E8M0 range")
 
 
 def amax_value() -> Check:
@@ -176,23 +182,7 @@ def fp8_block() -> Check:
 
 
 def scale_histogram() -> Check:
-    lo_bound, hi_bound = SCALE_EXPONENT_RANGE
-
-    def check(value):
-        valid = (f"{{\"min\": an integer in [{lo_bound}, {hi_bound}] or null, \"counts\": a "
-                 "list of integers >= 0 that stays within that range}")
-        if not isinstance(value, dict):
-            return valid
-        lo, counts = value.get("min"), value.get("counts")
-        if not isinstance(counts, list) or not all(_is_int(c) and 0 <= c <= MAX_COUNT
-                                                   for c in counts):
-            return valid
-        if lo is None:
-            return None if not any(counts) else valid
-        if not _is_int(lo) or not lo_bound <= lo <= hi_bound:
-            return valid
-        return None if lo + len(counts) - 1 <= hi_bound else valid
-    return check
+    return _histogram(*SCALE_EXPONENT_RANGE, "that range")
 
 
 def region_fractions() -> Check:
