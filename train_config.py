@@ -206,10 +206,10 @@ def resolve_quantizations(parser, args, fa: bool) -> List[Tuple[str, Optional[st
             print(f"{PROG_TAG} note: quantization {name} means {quant_scheme} (linear layers "
                   "and attention QK^T)", file=sys.stderr)
             name = quant_scheme
-        elif name not in ex.QUANT_SCHEMES:
+        elif name not in ex.ALL_QUANT_SCHEMES:
             parser.error(f"unknown quantization scheme {name!r}; valid: "
-                         f"{', '.join(ex.QUANT_SCHEMES)} (or {', '.join(ex.ELEMENT_FORMATS)}, "
-                         "all)")
+                         f"{', '.join(ex.ALL_QUANT_SCHEMES)} (or "
+                         f"{', '.join(ex.ELEMENT_FORMATS)}, all)")
         if (name, None) not in out:
             out.append((name, None))
     return out

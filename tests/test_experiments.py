@@ -105,6 +105,7 @@ class TestMatrix:
         """The matrix spells the scheme names itself (no torch import); they must agree."""
         assert ex.QUANT_SCHEMES == quant_schemes.SEED_SCHEMES
         assert ex.ELEMENT_FORMATS == quant_schemes.SEED_FORMATS
+        assert ex.ALL_QUANT_SCHEMES == quant_schemes.SCHEMES
 
     def test_pretrain_script_is_the_callers(self, tmp_path):
         script = tmp_path / "elsewhere" / "pretrain_gpt.py"

@@ -24,7 +24,7 @@ from megatron.training.experiments.listing import (
     describe_fa_quantization, describe_layout, describe_quant_scheme, describe_training_config,
     format_listing)
 from megatron.training.experiments.matrix import (
-    ALL_DATASETS, DATA_SPLIT, DATASET_DESCRIPTIONS, DATASETS, ELEMENT_FORMATS, FA_QUANTIZATIONS,
+    ALL_DATASETS, ALL_QUANT_SCHEMES, DATA_SPLIT, DATASET_DESCRIPTIONS, DATASETS, ELEMENT_FORMATS, FA_QUANTIZATIONS,
     LLAMA3_VOCAB_SIZE, MATRIX_MODELS, MOCK_DATASET, MODELS, NAME_KINDS, QUANT_SCHEMES,
     TINY_MODELS, TRAINING_CONFIG_DESCRIPTIONS, TRAINING_CONFIG_NAMES, ExperimentError,
     ModelSpec, TrainingConfig, fa_quantization, model_names, names, resolve_dataset,
