@@ -43,8 +43,7 @@ def _run(tmp_path_factory, name, flags, mode="full"):
                              str(out / "tb")] + flags
     result = pretrain(pretrain_gpt.forward_step, args)
     assert (result.exit_code, result.iteration) == (0, 2)
-    # The scheme stays bf16 under a recipe or the --fp8-* flags: the capture directory is
-    # named after it.
+    # One capture directory, named by the run's label (recipe_nvfp4, linear_fp8, ...).
     (directory,) = [p for p in (out / "capture").iterdir() if p.is_dir()]
     return read_manifest(str(directory)), _scalars(out / "tb")
 
@@ -84,7 +83,8 @@ def _reproduce_every_quantized_record(entries):
                              seed=keywords.get("seed"))
         assert torch.equal(bits(q), bits(record["quantized"])), entry["file"]
         assert torch.equal(bits(requantize(record["tensor"], meta)), bits(q))
-        assert record["scales"].dtype == torch.float32           # kept beside q
+        if meta["format"] == "nvfp4" or meta["format"].startswith("fp8_"):
+            assert record["scales"].dtype == torch.float32       # kept beside q
     return records
 
 
@@ -252,3 +252,30 @@ def test_capture_size_estimate_counts_the_scales():
         assert got["output"] == got["grad_output"] == 0          # results, unquantized dgrad
     assert scale_bytes(MatmulQuantConfig(), "fp8_e5m2", 1000) == 4     # one per-tensor scale
     assert scale_bytes(MatmulQuantConfig(), "mxfp8_e4m3", 1000) == 0
+
+
+def test_mxfp4_rht_sr_recipe_and_a_recipe_file_in_the_capture(tmp_path_factory, tmp_path):
+    """The other named recipe and a recipe file, as a capture shows them: backward-only MXFP4
+    with every backward operand rotated (block 64) and stochastically rounded; a file's
+    per-path configs (fc1 in NVFP4 with 16x16 weights, layer 2 in BF16)."""
+    entries, _ = _run(tmp_path_factory, "mxfp4rhtsr", ["--quant-recipe", "mxfp4_rht_sr"])
+    _reproduce_every_quantized_record(entries)
+    quantized = [e["metadata"] for e in entries if e["metadata"]["format"] != "none"]
+    assert {m["gemm"] for m in quantized} == {"dgrad", "wgrad"}      # forward in BF16
+    assert {m["format"] for m in quantized} == {"mxfp4"}
+    assert all("stochastic_seed" in m and m["rht_block"] == 64 for m in quantized)
+    assert {m["layer_idx"] for m in quantized} == {1, 2}              # no BF16 layers
+    assert "recipe_mxfp4_rht_sr" in {e["metadata"]["quant_type"] for e in entries}
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("configs:\n  fp4: {format: nvfp4, weight_2d: true}\n  hp: {format: none}\n"
+                      "matchers:\n"
+                      "  last: {config: hp, type: glob, pattern: 'decoder.layers.1.*', enabled: true}\n"
+                      "  fc1: {config: fp4, type: glob, pattern: '*linear_fc1', enabled: true}\n")
+    entries, _ = _run(tmp_path_factory, "recipefile", ["--quant-recipe-file", str(recipe)])
+    _reproduce_every_quantized_record(entries)
+    quantized = [e["metadata"] for e in entries if e["metadata"]["format"] != "none"]
+    assert {(m["layer_idx"], m["site"].rsplit(".", 1)[-1]) for m in quantized} == {
+        (1, "linear_fc1")}
+    assert {m["block_2d"] for m in quantized if m["operand"] == "weight"} == {True}
+    assert not any("stochastic_seed" in m or "rht_block" in m for m in quantized)
