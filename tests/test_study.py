@@ -236,7 +236,10 @@ def test_sigterm_ends_the_trainings_and_says_how_to_resume(data_root, tmp_path):
         lines.append(line)
         if "[study] start" in line:
             break
-    children = psutil.Process(proc.pid).children(recursive=True)
+    children, deadline = [], time.time() + 30   # the line is logged just before the start
+    while not children and time.time() < deadline:
+        time.sleep(0.2)
+        children = psutil.Process(proc.pid).children(recursive=True)
     assert children
     time.sleep(2)
     proc.send_signal(signal.SIGTERM)
@@ -247,3 +250,24 @@ def test_sigterm_ends_the_trainings_and_says_how_to_resume(data_root, tmp_path):
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive
     assert not (out / "runs" / "bf16" / "seed1" / "result.json").exists()
+
+
+def test_one_study_per_output_directory(tmp_path):
+    """A second study on the same --output-dir stops with one line naming the first (which
+    holds the directory's lock), before it starts any training."""
+    from megatron.training import run_lock
+
+    out = tmp_path / "study"
+    holder = run_lock.acquire(str(out), "--output-dir", command="tools/study.py (the first)")
+    try:
+        proc = subprocess.run([sys.executable, f"{REPO_ROOT}/tools/study.py", "--output-dir",
+                               str(out), "--dataset", "wikipedia", "--data-root",
+                               str(tmp_path / "data"), "--seeds", "1", "--train-iters", "2"],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        holder.release()
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --output-dir {out} is in use by "
+                                                   "another run (pid "), proc.stderr
+    assert "tools/study.py (the first)" in lines[0] and "[study] start" not in proc.stdout

@@ -109,8 +109,9 @@ def acquire(directory: str, flag: str = "--save", command: Optional[str] = None)
                               "locks: choose another directory") from None
         raise ConfigError(
             f"{flag} {directory} is in use by another run ({describe_holder(read_holder(path))})"
-            f"; two runs saving into one directory would overwrite each other's checkpoints: "
-            f"wait for that run to end or choose another {flag} directory") from None
+            f"; two runs writing into one directory would overwrite each other's "
+            f"{'checkpoints' if flag == '--save' else 'results'}: wait for that run to end or "
+            f"choose another {flag} directory") from None
     try:
         data = (json.dumps(holder_record(command)) + "\n").encode("utf-8")
         os.ftruncate(fd, 0)

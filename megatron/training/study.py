@@ -33,6 +33,8 @@ from megatron.analysis.losses import parse_log_text
 from megatron.quantization.schemes import SCHEMES
 from megatron.training import corpora
 from megatron.training.bpe_tokenizer import DEFAULT_VOCAB_SIZE
+from megatron.training import run_lock
+from megatron.training.errors import ConfigError
 from megatron.training.experiments.commands import split_extra
 
 DEFAULT_SCHEMES = ("bf16", "FA_linear_mxfp8", "FA_linear_mxfp4", "FA_linear_hifp8",
@@ -413,6 +415,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not os.path.isfile(args.pretrain_script):
         parser.error(f"--pretrain-script {args.pretrain_script}: no such file")
     iters = train_iters_of(args)
+    lock = None
+    if not args.dry_run:
+        try:
+            # One study per output directory: a second would rerun and overwrite its runs.
+            lock = run_lock.acquire(args.output_dir, "--output-dir")
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
     try:
         data_flags, tokenizer = resolve_data(args)
     except (ValueError, OSError) as exc:
@@ -427,7 +437,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for run in runs:
             print(shlex.join(run.argv))
         return 0
-    out.mkdir(parents=True, exist_ok=True)
     log(f"[study] {len(specs)} scheme(s) x {args.seeds} seed(s) = {len(runs)} runs of "
         f"{iters} iterations ({budget['tokens']:,} tokens), {jobs} at once with "
         f"{max(1, cores // jobs)} thread(s) each -> {out}")
@@ -440,8 +449,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StudyStopped as exc:
         log(f"[study] stopped by {exc}; finished runs are kept: run the same command again "
             f"to resume ({out})")
+        lock.release()
         return 143
     study = write_results(runs, baseline, budget, out)
+    lock.release()
     log("\n" + study_stats.markdown_table(study) + "\n\n" + study_stats.noise_note(study))
     log(f"[study] wrote {out / 'study.json'}, study.png, study.md, study.html")
     failed = [r for r in study["runs"] if r["status"] != "done"]
