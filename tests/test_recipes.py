@@ -229,6 +229,8 @@ def test_global_module_path_under_pipeline_parallelism():
     ("configs: {a: {stochastic_rounding: some}}\nmatchers: {m: {config: a, type: glob, "
      "pattern: '*', enabled: true}}", "stochastic_rounding: 'some' is not one of none, grad, all"),
     ("configs: {a: {format: nvfp4}}\nmatchers: {}", "no matchers"),
+    ("configs: [nvfp4]\nmatchers: {m: {config: a, type: glob, pattern: '*', enabled: true}}",
+     "configs: expected a mapping, got list"),
     ("- a\n- b\n", "expected a mapping with 'configs' and 'matchers'"),
     ("configs: {a: [1\n", "not valid YAML"),
 ])

@@ -110,9 +110,13 @@ def _choice(value, valid, where: str):
     return value
 
 
-def _check_keys(mapping, valid, where: str) -> None:
+def _check_mapping(mapping, where: str) -> None:
     if not isinstance(mapping, dict):
         raise RecipeError(f"{where}: expected a mapping, got {type(mapping).__name__}")
+
+
+def _check_keys(mapping, valid, where: str) -> None:
+    _check_mapping(mapping, where)
     unknown = sorted(set(mapping) - set(valid))
     if unknown:
         raise RecipeError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; valid: "
@@ -241,8 +245,8 @@ def load_recipe_file(path: str, seed: int = 0, grad_variant=lambda fmt: fmt,
     _check_keys(data, ("configs", "matchers"), where)
     configs = data.get("configs") or {}
     matchers = data.get("matchers") or {}
-    _check_keys(configs, list(configs), f"{where}: configs")
-    _check_keys(matchers, list(matchers), f"{where}: matchers")
+    _check_mapping(configs, f"{where}: configs")
+    _check_mapping(matchers, f"{where}: matchers")
     if not matchers:
         raise RecipeError(f"{where}: no matchers (nothing would be matched)")
     for name, matcher in matchers.items():
