@@ -147,6 +147,27 @@ def test_demo_log_directory_uses_training_logs_not_capture_logs(tmp_path):
     assert all(c.args == {"lr": "0.003"} for c in curves)
 
 
+def test_collection_log_directory_takes_only_the_run_logs(tmp_path):
+    """run_tensor_collection.sh's log directory holds {scheme}.log, report.txt / report.tsv
+    and tensorboard/{scheme}/ (the same runs again): --loss-dir takes the logs only."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for scheme, factor in (("bf16", 1.0), ("FA_linear_mxfp4", 1.02)):
+        (tmp_path / f"{scheme}.log").write_text(_scaled_log(factor))
+        writer = SummaryWriter(log_dir=str(tmp_path / "tensorboard" / scheme))
+        writer.add_scalar("lm loss", 7.0 * factor, 1)
+        writer.close()
+    (tmp_path / "report.txt").write_text("scheme  status  records\nbf16  ok  464\n")
+    (tmp_path / "report.tsv").write_text("scheme\tstatus\nbf16\tok\n")
+    problems = _Problems()
+    curves = losses.load_curves([], [str(tmp_path)], problems)
+    assert sorted(c.name for c in curves) == ["FA_linear_mxfp4", "bf16"]
+    assert problems.items == []
+    # A run sub-directory (a log or event files inside) still counts.
+    assert [name for name, _ in losses.sources_from_dir(str(tmp_path / "tensorboard"))] == [
+        "FA_linear_mxfp4", "bf16"]
+
+
 def test_unreadable_loss_sources(tmp_path, capsys):
     empty = tmp_path / "empty.log"
     empty.write_text("no losses here\n")

@@ -102,20 +102,45 @@ def read_source(name: str, path: str) -> LossCurve:
 
 
 def sources_from_dir(directory: str) -> List[Tuple[str, str]]:
-    """(run name, path) for each log file or sub-directory of a directory named by scheme.
+    """(run name, path) for each training log or run sub-directory of a directory named by
+    scheme.
 
-    `{scheme}-capture.log` (the log of a capture run, as the demo writes beside the training
-    log `{scheme}.log`) is not a training curve and is left out."""
+    Only run logs count: `{scheme}-capture.log` (the log of a capture run, as the demo writes
+    beside the training log `{scheme}.log`) and text files without a training line (a
+    collection's report.txt) are left out, and so are sub-directories that hold no log or
+    event file themselves (a collection's tensorboard/, whose per-scheme directories are the
+    same runs as its logs)."""
     out = []
     for entry in sorted(os.listdir(directory)):
         path = os.path.join(directory, entry)
         if os.path.isdir(path):
-            out.append((entry, path))
+            if _holds_a_run(path):
+                out.append((entry, path))
         elif is_event_file(entry):
             out.append((entry, path))
-        elif entry.endswith(LOG_SUFFIXES) and not _is_capture_log(entry):
+        elif _is_training_log(path):
             out.append((os.path.splitext(entry)[0], path))
     return out
+
+
+def _is_training_log(path: str) -> bool:
+    name = os.path.basename(path)
+    if not name.endswith(LOG_SUFFIXES) or _is_capture_log(name):
+        return False
+    try:
+        with open(path, errors="replace") as f:
+            return any("lm loss" in line for line in f)
+    except OSError:
+        return False
+
+
+def _holds_a_run(directory: str) -> bool:
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return False
+    return any(is_event_file(e) or _is_training_log(os.path.join(directory, e))
+               for e in entries if os.path.isfile(os.path.join(directory, e)))
 
 
 def _is_capture_log(file_name: str) -> bool:
