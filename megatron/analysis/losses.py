@@ -9,8 +9,9 @@ When a log is appended to by a resumed run, the last value logged for an iterati
 
 A gap to the baseline is never the difference at one iteration (a single batch's loss is
 noisy): it is the difference of the mean losses over the last 10% of the iterations both runs
-logged (at least 3), shown with the spread of the curves over that window; a gap within the
-combined spread is marked as within run-to-run noise.
+logged (at least 3), shown with the spread of the curves over that window. That spread is the
+batch-to-batch wiggle (and the still-falling trend) of one run each, not seed-to-seed noise,
+which one run per scheme cannot know: a note says so, and points to a multi-seed study.
 """
 
 from __future__ import annotations
@@ -215,8 +216,9 @@ def gap(curve: Dict[int, float], base: Dict[int, float]) -> dict:
             "gap_to_baseline": value, "gap_spread": spread,
             "relative_gap_to_baseline": value / base_mean if base_mean else None,
             "gap_within_noise": within,
-            "gap_note": ("within run-to-run noise (|gap| <= combined spread)" if within
-                         else "larger than the combined spread")}
+            "gap_note": (("within" if within else "larger than") + " the curves' spread over "
+                         "the window (one run each: seed-to-seed noise unknown; a study with "
+                         "several seeds measures it)")}
 
 
 def loss_table(curves: List[LossCurve], baseline: str) -> dict:

@@ -224,9 +224,10 @@ def loss_table(doc: dict) -> Optional[Table]:
     notes = [f"gap = mean loss minus {base}'s mean loss over the last "
              f"{100 * losses.get('window_fraction', 0.1):.0f}% of the iterations both runs "
              f"logged (at least {losses.get('min_window', 3)}); spread = "
-             "sqrt(std_run^2 + std_baseline^2) over that window (sample std); a gap within "
-             "the spread is within run-to-run noise. Validation: the difference at the last "
-             "common evaluation (one point, not a gap)."]
+             "sqrt(std_run^2 + std_baseline^2) over that window (sample std): the curves' "
+             "batch-to-batch spread, not seed-to-seed noise, which one run per scheme cannot "
+             "measure (tools/study.py can). Validation: the difference at the last common "
+             "evaluation (one point, not a gap)."]
     return Table("losses", f"Loss gap to {base}",
                  ["run", "last iteration", "final loss", "window", "mean ± std", "gap",
                   "spread", "rel. gap", "note", "validation loss", "validation difference"],
