@@ -30,6 +30,6 @@ setup(
         "PyYAML",
     ],
     extras_require={
-        "test": ["pytest", "ml_dtypes"],
+        "test": ["pytest", "ml_dtypes", "en_dtypes", "torchao", "psutil"],
     },
 )
