@@ -44,15 +44,11 @@ CHUNK = 8 << 20
 
 
 def _read_all(path, update=None):
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buffer)
-            if not n:
-                break
-            if update is not None:
-                update(view[:n])
+    from megatron.training.checkpoint_files import file_chunks
+
+    for chunk in file_chunks(path):
+        if update is not None:
+            update(chunk)
 
 
 def _crc32(path):

@@ -173,19 +173,26 @@ def _check_json(path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def file_digest(path: str) -> Tuple[int, str]:
-    """(size, hex digest) of the bytes of `path` as they are on disk."""
-    digest = hashlib.new(CHECKSUM_ALGORITHM)
-    size = 0
+def file_chunks(path: str):
+    """The bytes of `path` as they are on disk, as views of one reused 8 MiB buffer (each
+    view is valid until the next one is produced)."""
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while True:
             n = f.readinto(buffer)
             if not n:
-                break
-            digest.update(view[:n])      # hashlib releases the GIL: threads hash in parallel
-            size += n
+                return
+            yield view[:n]
+
+
+def file_digest(path: str) -> Tuple[int, str]:
+    """(size, hex digest) of the bytes of `path` as they are on disk."""
+    digest = hashlib.new(CHECKSUM_ALGORITHM)
+    size = 0
+    for chunk in file_chunks(path):
+        digest.update(chunk)             # hashlib releases the GIL: threads hash in parallel
+        size += len(chunk)
     return size, digest.hexdigest()
 
 
