@@ -46,15 +46,11 @@ from typing import Dict, Optional, Tuple
 
 from megatron.quantization.formats import SCALE_MODES, canonical_format
 from megatron.quantization.gemm import (
-    FP8_RECIPES, GEMMS, HIFP8_SCALINGS, RHT_BLOCKS, Fp8Settings, MatmulQuantConfig,
-    OperandFormats)
+    FP8_RECIPES, GEMMS, GRADIENT_SLOTS, HIFP8_SCALINGS, OPERAND_SLOTS, RHT_BLOCKS, Fp8Settings,
+    MatmulQuantConfig, OperandFormats)
 
 STOCHASTIC_ROUNDINGS = ("none", "grad", "all")
-STOCHASTIC_SLOTS = {
-    "none": frozenset(),
-    "grad": frozenset({"dgrad.a", "wgrad.b"}),
-    "all": frozenset(f"{g}.{side}" for g in GEMMS for side in ("a", "b")),
-}
+STOCHASTIC_SLOTS = {"none": frozenset(), "grad": GRADIENT_SLOTS, "all": frozenset(OPERAND_SLOTS)}
 RECIPE_NAMES = ("nvfp4", "mxfp4_rht_sr")
 
 # What each named recipe reproduces (README and --help point here).
