@@ -169,22 +169,21 @@ def _fp8_scheme(args) -> str:
     """The scheme once Megatron's --fp8-* flags are applied (they imply linear_fp8, or
     linear_mxfp8 for --fp8-recipe mxfp8, and tune its MX flags); conflicts are errors."""
     scheme = args.quant_scheme
-    linear_fmt, _ = scheme_formats(scheme)
+    formats = scheme_formats(scheme)           # (linear, attention QK^T)
     if args.fp8_format is None:
-        if args.fp8_recipe is not None and "fp8" not in scheme_formats(scheme):
+        if args.fp8_recipe is not None and "fp8" not in formats:
             raise SchemeError(f"--fp8-recipe {args.fp8_recipe} needs --fp8-format (or an *_fp8 "
                               f"scheme); scheme {scheme} has no FP8 site")
         return scheme
     wanted = "mxfp8" if args.fp8_recipe == "mxfp8" else "fp8"
-    if linear_fmt == wanted:
-        pass
-    elif scheme == "bf16":
+    if scheme == "bf16":
         scheme = f"linear_{wanted}"
-    else:
+    elif formats[0] != wanted:
+        suggestion = ("FA_linear_" if scheme.startswith("FA") else "linear_") + wanted
         raise SchemeError(f"--fp8-format {args.fp8_format} --fp8-recipe "
                           f"{args.fp8_recipe or 'delayed'} quantizes the linear layers in "
-                          f"{wanted}, but --quant-scheme {scheme} puts them in {linear_fmt}; "
-                          f"use --quant-scheme {'FA_linear_' + wanted if scheme.startswith('FA') else 'linear_' + wanted} or drop one")
+                          f"{wanted}, but --quant-scheme {scheme} puts them in {formats[0]}; "
+                          f"use --quant-scheme {suggestion} or drop one")
     if wanted == "mxfp8":
         # TransformerEngine's MXFP8BlockScaling: the rceil scale rule; hybrid = E5M2 gradients.
         args.mx_scale_mode = "rceil"
