@@ -191,6 +191,11 @@ class MatmulQuantConfig:
                              f"{', '.join(map(str, RHT_BLOCKS))}")
 
     @property
+    def formats(self) -> FrozenSet[str]:
+        """Every operand format of the three GEMMs ("none" included)."""
+        return frozenset(getattr(getattr(self, g), side) for g in GEMMS for side in ("a", "b"))
+
+    @property
     def enabled(self) -> bool:
         """True when any operand of any GEMM is quantized."""
         return self.fprop.enabled or self.dgrad.enabled or self.wgrad.enabled
@@ -273,8 +278,7 @@ class SiteState:
     def __init__(self, path: str, config: MatmulQuantConfig):
         self.path = path
         fp8 = config.fp8
-        uses_delayed = any(config.delayed(getattr(getattr(config, g), side))
-                           for g in GEMMS for side in ("a", "b"))
+        uses_delayed = any(config.delayed(f) for f in config.formats)
         self.amax = AmaxHistories(fp8.amax_history_len, fp8.amax_compute_algo) \
             if uses_delayed else None
 

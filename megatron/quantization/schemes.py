@@ -209,7 +209,7 @@ OPERAND_NAMES = {
 
 def config_details(cfg: MatmulQuantConfig) -> str:
     """The settings of a quantized site besides its formats, in a few words."""
-    formats = {getattr(getattr(cfg, g), side) for g in GEMMS for side in ("a", "b")}
+    formats = cfg.formats
     details = []
     if any(f.startswith("mx") for f in formats):
         details.append(f"MX scale mode {cfg.scale_mode}")
@@ -392,8 +392,7 @@ def build_quant_config(scheme: str, num_layers: int, linear_quant: Optional[str]
                            fp8_format=fp8_format, **settings)
 
     linear = make(linear_fmt)
-    formats = {getattr(getattr(linear, g), side) for g in GEMMS for side in ("a", "b")}
-    if r.weight_2d and not any(linear.weight_tiles(f) for f in formats):
+    if r.weight_2d and not any(linear.weight_tiles(f) for f in linear.formats):
         notes.append("--quant-weight-2d changes nothing here: only NVFP4 and blockwise FP8 "
                      "weights have 2-D tiles")
     bf16_at = r.bf16_layers

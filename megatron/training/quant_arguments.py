@@ -236,8 +236,7 @@ def _check_recompute(args, quant: QuantConfig) -> None:
     if quant.rules is not None:
         configs += list(quant.rules.configs.values())
     for cfg in configs:
-        formats = {getattr(getattr(cfg, g), side) for g in GEMMS for side in ("a", "b")}
-        if any(cfg.delayed(f) for f in formats):
+        if any(cfg.delayed(f) for f in cfg.formats):
             raise SchemeError("delayed FP8 scaling with --recompute-* is not supported (the "
                               "recomputed forward would enter the amax history twice); use "
                               "--fp8-recipe tensorwise")
