@@ -1,0 +1,223 @@
+"""evaluation.json, evaluation.md (the tables) and the figures of tools/evaluate.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import List
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+def _f(value, digits: int = 6) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:.{digits}f}"
+
+
+def _interval(ci) -> str:
+    return f"[{_f(ci[0])}, {_f(ci[1])}]"
+
+
+def arms_table(doc: dict) -> List[str]:
+    lines = [f"Direct cast: {doc['tokens']:,} tokens in {doc['sequences']} sequences, same "
+             f"weights (iteration {doc['iteration']}) and batches for every arm; "
+             f"{doc['precision']}; delta = loss - {doc['baseline']} (nats/token), 95% "
+             "intervals over sequences (t and bootstrap).", "",
+             "| scheme | loss | perplexity | delta | 95% CI (t) | 95% CI (bootstrap) | "
+             "token delta p1 / p50 / p99 |",
+             "|---|---:|---:|---:|---|---|---|"]
+    for spec, arm in doc["schemes"].items():
+        d = arm.get("delta_vs_baseline")
+        if d is None:
+            lines.append(f"| {spec} (baseline) | {_f(arm['loss'])} | {arm['perplexity']:.3f} "
+                         "| — | — | — | — |")
+            continue
+        q = arm["token_delta_quantiles"]
+        lines.append(f"| {spec} | {_f(arm['loss'])} | {arm['perplexity']:.3f} | "
+                     f"{d['mean']:+.6f} | {_interval(d['ci95'])} | "
+                     f"{_interval(d['ci95_bootstrap'])} | {q['q0.01']:+.4f} / "
+                     f"{q['q0.5']:+.4f} / {q['q0.99']:+.4f} |")
+    return lines
+
+
+def sweep_table(sweep: dict) -> List[str]:
+    lines = ["", f"Per-site sweep: one site at a time in `{sweep['scheme']}`, delta vs "
+             f"{sweep['reference']} (loss {_f(sweep['reference_loss'])}), largest first.", "",
+             "| rank | layer | site | delta | 95% CI (t) |", "|---:|---:|---|---:|---|"]
+    by_key = {f"{r['layer'] if r['layer'] is not None else '-'}/{r['site']}": r
+              for r in sweep["sites"]}
+    for rank, key in enumerate(sweep["ranking"], 1):
+        r = by_key[key]
+        layer = r["layer"] if r["layer"] is not None else "—"
+        lines.append(f"| {rank} | {layer} | {r['site']} | {r['delta']['mean']:+.6f} | "
+                     f"{_interval(r['delta']['ci95'])} |")
+    return lines
+
+
+def gradients_table(g: dict) -> List[str]:
+    lines = ["", f"Gradient fidelity on {g['tokens']:,} tokens ({g['micro_batches']} "
+             "micro-batches), all parameters; reference: fp32 unquantized model.", "",
+             "| scheme | cosine vs fp32 | rel L2 vs fp32 | rel L2 vs baseline | "
+             "mean of K draws: rel L2 vs fp32 (K) | log-log slope |",
+             "|---|---:|---:|---:|---|---:|"]
+    for spec, e in g["schemes"].items():
+        vb = e.get("vs_baseline", {}).get("rel_l2")
+        draws = e.get("draws")
+        curve = ", ".join(f"{v:.4g} ({k})" for k, v in zip(draws["K"], draws["rel_l2"])) \
+            if draws else "— (deterministic)"
+        slope = f"{draws['log_log_slope']:.2f}" if draws else "—"
+        lines.append(f"| {spec} | {e['vs_fp32']['cosine']:.6f} | {e['vs_fp32']['rel_l2']:.4g} "
+                     f"| {'—' if vb is None else f'{vb:.4g}'} | {curve} | {slope} |")
+    return lines
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# Evaluation of {doc['checkpoint']}", ""] + arms_table(doc)
+    if "sweep" in doc:
+        lines += sweep_table(doc["sweep"])
+    if "gradients" in doc:
+        lines += gradients_table(doc["gradients"])
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def arms_figure(doc: dict, path: str) -> bool:
+    rows = [(s, a["delta_vs_baseline"]) for s, a in doc["schemes"].items()
+            if "delta_vs_baseline" in a]
+    if not rows:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.6), dpi=120)
+    y = np.arange(len(rows))
+    means = [d["mean"] for _, d in rows]
+    lo = [d["mean"] - d["ci95"][0] for _, d in rows]
+    hi = [d["ci95"][1] - d["mean"] for _, d in rows]
+    ax.errorbar(means, y, xerr=[lo, hi], fmt="o", capsize=4, color="#1f5f9f")
+    ax.axvline(0, color="#666", lw=0.8)
+    ax.set_yticks(y, [s for s, _ in rows], fontsize=10)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"loss - {doc['baseline']} (nats/token), 95% CI over sequences", fontsize=10)
+    ax.set_title(f"Direct cast, {doc['tokens']:,} tokens", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def sweep_figure(sweep: dict, path: str) -> bool:
+    if not sweep["sites"]:
+        return False
+    plt = _plt()
+    layers = sorted({r["layer"] for r in sweep["sites"] if r["layer"] is not None})
+    labels = list(dict.fromkeys(r["site"] for r in sweep["sites"] if r["layer"] is not None))
+    grid = np.full((len(layers), len(labels)), np.nan)
+    for r in sweep["sites"]:
+        if r["layer"] is not None:
+            grid[layers.index(r["layer"]), labels.index(r["site"])] = r["delta"]["mean"]
+    output = [r for r in sweep["sites"] if r["layer"] is None]
+    fig, ax = plt.subplots(figsize=(1.1 * len(labels) + 2.5, 0.55 * len(layers) + 1.8), dpi=120)
+    bound = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
+    im = ax.imshow(grid, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
+    for (i, j), v in np.ndenumerate(grid):
+        if np.isfinite(v):
+            ax.text(j, i, f"{v * 1e3:+.2f}", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(labels)), labels, fontsize=10)
+    ax.set_yticks(range(len(layers)), [f"layer {n}" for n in layers], fontsize=10)
+    title = f"Loss increase x 1e3 (nats/token), one site in {sweep['scheme']}"
+    if output:
+        title += f"\noutput layer: {output[0]['delta']['mean'] * 1e3:+.2f}"
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, label="delta (nats/token)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def gradients_figure(g: dict, path: str) -> bool:
+    plt = _plt()
+    specs = list(g["schemes"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.4 * len(specs) + 3), dpi=120)
+    errs = [g["schemes"][s]["vs_fp32"]["rel_l2"] for s in specs]
+    a.barh(range(len(specs)), errs, color="#1f5f9f")
+    a.set_yticks(range(len(specs)), specs, fontsize=9)
+    a.invert_yaxis()
+    a.set_xscale("log")
+    a.set_xlabel("relative L2 error of the gradient vs fp32", fontsize=10)
+    drawn = [(s, g["schemes"][s]["draws"]) for s in specs if "draws" in g["schemes"][s]]
+    for spec, d in drawn:
+        b.loglog(d["K"], d["rel_l2"], "o-", label=spec)
+        k0, e0 = d["K"][0], d["rel_l2"][0]
+        b.loglog(d["K"], [e0 * (k0 / k) ** 0.5 for k in d["K"]], ":", color="#888")
+    for spec in specs:
+        if "draws" not in g["schemes"][spec] and g["schemes"][spec]["vs_fp32"]["rel_l2"] > 0:
+            b.axhline(g["schemes"][spec]["vs_fp32"]["rel_l2"], ls="--", lw=0.8,
+                      label=f"{spec} (deterministic)")
+    b.set_xlabel("K (stochastic-rounding draws averaged)", fontsize=10)
+    b.set_ylabel("rel L2 of the mean vs fp32", fontsize=10)
+    b.set_title("dotted: 1/sqrt(K)", fontsize=10)
+    if b.lines:
+        b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def write(doc: dict, outdir: str) -> List[str]:
+    """Write every output atomically (temporary name, then rename); return their names."""
+    doc = dict(doc, schema_version=SCHEMA_VERSION)
+    written = []
+
+    def put(name: str, text: str) -> None:
+        tmp = os.path.join(outdir, f".{name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(outdir, name))
+        written.append(name)
+
+    put("evaluation.json", json.dumps(_jsonable(doc), indent=1) + "\n")
+    put("evaluation.md", markdown(doc))
+    for name, ok in (("evaluation.png", lambda p: arms_figure(doc, p)),
+                     ("sweep.png", lambda p: "sweep" in doc and sweep_figure(doc["sweep"], p)),
+                     ("gradients.png",
+                      lambda p: "gradients" in doc and gradients_figure(doc["gradients"], p))):
+        if ok(os.path.join(outdir, name)):
+            written.append(name)
+    return written
+
+
+def write_sequences(arms: dict, outdir: str) -> str:
+    """sequences.npz: `labels` (the arms, in order), `tokens` [m] scored tokens per sequence
+    and `sums` [arms, m] each arm's summed loss per sequence: what the intervals are computed
+    from, for a user's own statistics."""
+    labels = list(arms)
+    first = arms[labels[0]]
+    path = os.path.join(outdir, "sequences.npz")
+    tmp = os.path.join(outdir, ".sequences.tmp.npz")
+    np.savez(tmp, labels=np.array(labels), tokens=first.sequence_tokens,
+             sums=np.stack([arms[label].sequence_sums for label in labels]))
+    os.replace(tmp, path)
+    return "sequences.npz"

@@ -1,0 +1,179 @@
+"""The evaluation itself: arms, the per-site sweep and gradient fidelity, then the outputs."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+from typing import Dict
+
+import numpy as np
+import torch
+
+from megatron.evaluation import gradients as grads
+from megatron.evaluation import outputs
+from megatron.evaluation.intervals import paired_delta, token_quantiles
+from megatron.evaluation.losses import (
+    ArmLosses, arm_losses, first_batch_logits, validation_batches)
+from megatron.evaluation.model_state import SiteSubset, load_model, sweep_targets
+from megatron.evaluation.specs import quant_args_for
+from megatron.quantization.formats import set_compile
+from megatron.quantization.schemes import QuantConfig
+from megatron.training.initialize import (
+    destroy_distributed, initialize_distributed, set_random_seeds)
+from megatron.training.tokenizer import build_tokenizer, vocab_size_with_padding
+
+
+def _rank_0() -> bool:
+    return torch.distributed.get_rank() == 0
+
+
+def log(message: str) -> None:
+    if _rank_0():
+        print(f"[{datetime.now().strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _arm_summary(arm: ArmLosses, baseline: ArmLosses = None) -> dict:
+    out = {"loss": arm.loss, "perplexity": float(np.exp(arm.loss)), "tokens": arm.tokens,
+           "sequences": int(arm.sequence_sums.size), "seconds": round(arm.seconds, 2)}
+    if baseline is not None:
+        out["delta_vs_baseline"] = paired_delta(arm.sequence_sums, baseline.sequence_sums,
+                                                arm.sequence_tokens)
+        out["token_delta_quantiles"] = token_quantiles(arm.token_losses - baseline.token_losses)
+    return out
+
+
+def _eta(done: int, total: int, start: float) -> str:
+    if done == 0:
+        return ""
+    return f", about {(time.time() - start) / done * (total - done):.0f} s left"
+
+
+def evaluate(own, args, parser, start: float) -> Dict:
+    initialize_distributed(args)
+    try:
+        return _evaluate(own, args, parser, start)
+    finally:
+        destroy_distributed()
+
+
+def _evaluate(own, args, parser, start: float) -> Dict:
+    set_random_seeds(args.seed)
+    set_compile(args.quant_compile)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    own.draw_seed = args.seed if own.rounding_seed is None else own.rounding_seed
+    arm_args = {spec: quant_args_for(spec, args, parser) for spec in own.schemes}   # fail early
+    sweep_args = quant_args_for(own.sweep_scheme, args, parser) if own.sweep else None
+    if _rank_0():
+        os.makedirs(own.output_dir, exist_ok=True)
+    model = load_model(args, log=log)
+    batches = validation_batches(args, tokenizer)
+    log(f"{len(batches)} validation micro-batches of {args.micro_batch_size} x "
+        f"{args.seq_length} tokens per data-parallel rank; precision "
+        f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
+
+    doc = {"baseline": own.schemes[0], "checkpoint": os.path.abspath(args.load),
+           "iteration": model.iteration,
+           "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+           "micro_batches_per_rank": len(batches), "seq_length": args.seq_length,
+           "data": "mock" if args.mock_data else args.data_path, "seed": args.seed,
+           "rounding_seed": own.draw_seed,
+           "schemes": {}}
+    arms: Dict[str, ArmLosses] = {}
+    t0 = time.time()
+    for i, spec in enumerate(own.schemes):
+        model.quantize(arm_args[spec].quant_config)
+        arms[spec] = arm_losses(model.module, batches, own.draw_seed, log, spec)
+        base = arms[own.schemes[0]] if i else None
+        doc["schemes"][spec] = _arm_summary(arms[spec], base)
+        log(f"{spec}: loss {arms[spec].loss:.6f} ({i + 1}/{len(own.schemes)} arms"
+            f"{_eta(i + 1, len(own.schemes), t0)})")
+        if i == 0 and own.dump_logits:
+            tokens, logits = first_batch_logits(model.module, batches[0], tokenizer.vocab_size)
+            if _rank_0():
+                np.savez(own.dump_logits, tokens=tokens, logits=logits)
+                log(f"wrote {own.dump_logits} (tokens {tokens.shape}, logits {logits.shape})")
+    doc["tokens"] = arms[own.schemes[0]].tokens
+    doc["sequences"] = int(arms[own.schemes[0]].sequence_sums.size)
+
+    if own.sweep:
+        doc["sweep"] = _sweep(own, args, model, batches, arms, sweep_args)
+    if own.gradients:
+        doc["gradients"] = _gradients(own, args, model, batches, arm_args)
+    doc["seconds"] = round(time.time() - start, 1)
+    if _rank_0():
+        written = outputs.write(doc, own.output_dir)
+        written.append(outputs.write_sequences(arms, own.output_dir))
+        log(f"wrote {', '.join(written)} in {doc['seconds']:.0f} s")
+    return doc
+
+
+def _sweep(own, args, model, batches, arms, sweep_args) -> dict:
+    """One site at a time in --sweep-scheme; deltas against the unquantized model."""
+    reference_spec = next((s for s in own.schemes if s == "bf16"), None)
+    if reference_spec is None:
+        model.quantize(QuantConfig())
+        reference = arm_losses(model.module, batches, own.draw_seed, log, "unquantized")
+    else:
+        reference = arms[reference_spec]
+    model.quantize(QuantConfig())
+    targets = sweep_targets(model.sites)
+    base = sweep_args.quant_config
+    rows = []
+    t0 = time.time()
+    for n, (layer, label, paths) in enumerate(targets, 1):
+        subset = SiteSubset(scheme=f"sweep {label}", base=base, paths=paths)
+        model.quantize(subset)
+        if not any(s.config.enabled for s in model.sites):
+            continue       # the sweep scheme keeps this site in high precision
+        arm = arm_losses(model.module, batches, own.draw_seed, log, f"site {layer}/{label}")
+        delta = paired_delta(arm.sequence_sums, reference.sequence_sums, arm.sequence_tokens)
+        rows.append({"layer": layer, "site": label, "paths": sorted(paths), "loss": arm.loss,
+                     "delta": delta})
+        where = "output layer" if layer is None else f"layer {layer} {label}"
+        log(f"sweep {n}/{len(targets)}: {where}: delta {delta['mean']:+.6f}"
+            f"{_eta(n, len(targets), t0)}")
+    ranking = sorted(range(len(rows)), key=lambda i: -rows[i]["delta"]["mean"])
+    return {"scheme": own.sweep_scheme, "reference": reference_spec or "unquantized",
+            "reference_loss": reference.loss, "sites": rows,
+            "ranking": [f"{rows[i]['layer'] if rows[i]['layer'] is not None else '-'}/"
+                        f"{rows[i]['site']}" for i in ranking]}
+
+
+def _gradients(own, args, model, batches, arm_args) -> dict:
+    """Every arm's gradient against the fp32 unquantized model's and the baseline arm's."""
+    if torch.distributed.get_world_size() > 1:
+        from megatron.training.errors import ConfigError
+
+        raise ConfigError("--gradients runs in one process (no torchrun): the comparison holds "
+                          "whole float64 gradients")
+    gb = batches[:own.gradient_micro_batches]
+    fp32 = model.fp32_copy()
+    reference = grads.gradients(fp32.module, grads.unique_parameters(fp32.raw), gb,
+                                own.draw_seed)
+    del fp32
+    params = grads.unique_parameters(model.raw)
+    out = {"reference": "fp32 unquantized", "micro_batches": len(gb),
+           "tokens": int(sum(float(b["loss_mask"].sum()) for b in gb)), "schemes": {}}
+    baseline = None
+    t0 = time.time()
+    for n, spec in enumerate(own.schemes, 1):
+        model.quantize(arm_args[spec].quant_config)
+        g = grads.gradients(model.module, params, gb, own.draw_seed)
+        entry = {"vs_fp32": grads.compare(g, reference),
+                 "sites_vs_fp32": grads.per_site(g, reference, model.sites)}
+        if baseline is None:
+            baseline = g
+        else:
+            entry["vs_baseline"] = grads.compare(g, baseline)
+        stochastic = any(s.config.stochastic for s in model.sites if s.config.enabled)
+        if stochastic:
+            entry["draws"] = grads.draws_curve(model.module, params, gb, own.draw_seed,
+                                               own.gradient_draws, reference)
+        out["schemes"][spec] = entry
+        log(f"gradients {n}/{len(own.schemes)} {spec}: rel L2 vs fp32 "
+            f"{entry['vs_fp32']['rel_l2']:.4g}, cosine {entry['vs_fp32']['cosine']:.6f}"
+            f"{_eta(n, len(own.schemes), t0)}")
+    return out
