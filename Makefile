@@ -11,12 +11,14 @@ export PYTHONPATH := $(CURDIR)
 
 STUDY_DIR ?= runs/study
 
-.PHONY: install data data-dolma data-bpe demo study test bench clean help
+.PHONY: install data data-dolma data-bpe demo study probe test bench clean help
 
 help:
 	@echo "make demo        train llama-tiny on the embedded Wikipedia data (CPU) and write a report"
 	@echo "make test        run all tests"
 	@echo "make study       the default CPU scheme study: 7 arms x 3 seeds (about 45 min) -> $(STUDY_DIR)"
+	@echo "make probe       formats on trained weights: train llama-tiny once, evaluate every scheme,"
+	@echo "                 sweep sites, gradient fidelity, published claims (~15 min) -> runs/probe"
 	@echo "make data-bpe    the wikipedia data re-tokenized with an 8k BPE trained on it"
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
@@ -48,6 +50,9 @@ demo: install
 
 study: install
 	$(PY) tools/study.py --data-root $(DATA_ROOT) --output-dir $(STUDY_DIR)
+
+probe: install
+	$(PY) tools/probe.py --data-root $(DATA_ROOT)
 
 test: install
 	$(PY) -m pytest -q tests

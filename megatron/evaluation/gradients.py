@@ -1,19 +1,21 @@
-"""Gradient fidelity: the gradient of the mean validation loss under an arm versus references.
+"""Gradient fidelity: the gradient of the validation loss under an arm versus references.
 
-For fixed weights and batches, every parameter's gradient of the mean per-token loss over the
-batches (each micro-batch's gradient accumulated in float64, so no accumulation rounding is
-added) is compared with the same gradient of a reference (the baseline arm in the run's
-precision, and the unquantized model in fp32): cosine similarity and relative L2 error
-||g - g_ref|| / ||g_ref||, per GEMM site (its weight) and over all parameters.
+For fixed weights, each of N micro-batches gives the gradient of its mean per-token loss for
+every parameter. It is compared with the same micro-batch's gradient of a reference (the
+unquantized model in fp32, and the baseline arm in the run's precision): cosine similarity
+and relative L2 error ||g - g_ref|| / ||g_ref|| over all parameters, per micro-batch (their
+mean, and a t interval over micro-batches for paired comparisons of arms) and for the whole
+set (the token-weighted mean gradient); per GEMM site (its weight) for the whole set.
 
 Stochastic rounding: K gradients with independent draws (iterations 1..K of the counter-based
 streams) are averaged; the relative error of the mean versus K shows whether the rounding is
-unbiased (error falls as 1/sqrt(K) towards the floor set by everything deterministic) or not
-(round-to-nearest: every draw is the same, the error stays).
+unbiased (the error falls as 1/sqrt(K) towards the floor set by everything deterministic) or
+not (round-to-nearest: every draw is the same, the error stays).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -24,32 +26,25 @@ from megatron.evaluation.model_state import site_label
 from megatron.quantization import randomness
 from megatron.training.batches import batch_to_device
 
-Gradients = Dict[str, torch.Tensor]
 
+@dataclass
+class Gradients:
+    """Per-micro-batch gradients, flattened over the parameters in `names` order (float64)."""
 
-def gradients(module, named_parameters, batches: List[dict], seed: int,
-              draw: int = 1) -> Gradients:
-    """float64 gradients of the mean per-token loss over `batches`, by parameter name (tied
-    parameters once). `draw` keys the stochastic-rounding streams."""
-    module.train()     # dropout is off in these models; train() only for modules that care
-    params = list(named_parameters)
-    acc = {name: torch.zeros(p.shape, dtype=torch.float64) for name, p in params}
-    dev = device()
-    total_tokens = sum(float(b["loss_mask"].sum()) for b in batches)
-    randomness.start_iteration(seed, draw)
-    for batch in batches:
-        for _, p in params:
-            p.grad = None
-        tokens, labels, loss_mask, attention_mask, position_ids = batch_to_device(batch, dev)
-        losses = module(tokens, position_ids, attention_mask, labels=labels).float()
-        (torch.sum(losses.view(-1) * loss_mask.view(-1)) / total_tokens).backward()
-        for name, p in params:
-            if p.grad is not None:
-                acc[name] += p.grad.detach().double().cpu()
-    for _, p in params:
-        p.grad = None
-    module.eval()
-    return acc
+    names: List[str]
+    sizes: List[int]
+    per_batch: torch.Tensor      # [micro-batches, parameters]
+    weights: torch.Tensor        # [micro-batches] tokens / total tokens
+
+    @property
+    def total(self) -> torch.Tensor:
+        return self.weights @ self.per_batch
+
+    def of(self, names: Sequence[str], vector: torch.Tensor) -> torch.Tensor:
+        """The entries of `names` in a flat vector."""
+        offsets = np.cumsum([0] + self.sizes)
+        index = {n: i for i, n in enumerate(self.names)}
+        return torch.cat([vector[offsets[index[n]]:offsets[index[n] + 1]] for n in names])
 
 
 def unique_parameters(model) -> list:
@@ -62,11 +57,31 @@ def unique_parameters(model) -> list:
     return out
 
 
-def compare(grads: Gradients, reference: Gradients) -> Dict[str, float]:
-    """Cosine similarity and relative L2 error over all parameters."""
-    g = torch.cat([grads[k].flatten() for k in sorted(reference)])
-    r = torch.cat([reference[k].flatten() for k in sorted(reference)])
-    return _pair(g, r)
+def gradients(module, named_parameters, batches: List[dict], seed: int,
+              draw: int = 1) -> Gradients:
+    """Each micro-batch's gradient of its mean per-token loss. `draw` keys the
+    stochastic-rounding streams."""
+    params = list(named_parameters)
+    dev = device()
+    rows, tokens = [], []
+    module.eval()        # no dropout; gradients flow all the same
+    randomness.start_iteration(seed, draw)
+    for batch in batches:
+        for _, p in params:
+            p.grad = None
+        tokens_, labels, loss_mask, attention_mask, position_ids = batch_to_device(batch, dev)
+        losses = module(tokens_, position_ids, attention_mask, labels=labels).float()
+        count = float(loss_mask.sum())
+        (torch.sum(losses.view(-1) * loss_mask.view(-1)) / count).backward()
+        rows.append(torch.cat([
+            (p.grad.detach().double().cpu() if p.grad is not None
+             else torch.zeros(p.shape, dtype=torch.float64)).flatten() for _, p in params]))
+        tokens.append(count)
+    for _, p in params:
+        p.grad = None
+    weights = torch.tensor(tokens, dtype=torch.float64)
+    return Gradients([n for n, _ in params], [p.numel() for _, p in params],
+                     torch.stack(rows), weights / weights.sum())
 
 
 def _pair(g: torch.Tensor, r: torch.Tensor) -> Dict[str, float]:
@@ -75,35 +90,41 @@ def _pair(g: torch.Tensor, r: torch.Tensor) -> Dict[str, float]:
     return {"cosine": cosine, "rel_l2": float((g - r).norm()) / max(r_norm, 1e-300)}
 
 
+def compare(grads: Gradients, reference: Gradients) -> Dict[str, object]:
+    """Cosine and relative L2 error of the whole set's gradient, and per micro-batch."""
+    out = _pair(grads.total, reference.total)
+    per = [_pair(g, r) for g, r in zip(grads.per_batch, reference.per_batch)]
+    out["per_micro_batch"] = {"cosine": [p["cosine"] for p in per],
+                              "rel_l2": [p["rel_l2"] for p in per]}
+    return out
+
+
 def per_site(grads: Gradients, reference: Gradients, sites) -> Dict[str, Dict[str, float]]:
-    """The comparison of each GEMM site's weight gradient, keyed "layer/label" (the output
-    layer "output"); sites sharing a label in one layer (MoE experts) are pooled."""
+    """The comparison of each GEMM site's weight gradient (whole set), keyed "layer/label"
+    (the output layer "output"); sites sharing a label in one layer (MoE experts) pooled."""
     pooled: Dict[str, list] = {}
     for site in sites:
-        if site.kind not in ("linear", "output_layer"):
-            continue        # attention GEMMs have no weights: they show in the layer's others
         name = f"{site.name}.weight"
-        if name not in reference:
-            continue
-        key = "output" if site.layer_number is None else f"{site.layer_number}/{site_label(site.name)}"
+        if site.kind not in ("linear", "output_layer") or name not in reference.names:
+            continue        # attention GEMMs have no weights
+        key = "output" if site.layer_number is None else \
+            f"{site.layer_number}/{site_label(site.name)}"
         pooled.setdefault(key, []).append(name)
-    return {key: _pair(torch.cat([grads[n].flatten() for n in names]),
-                       torch.cat([reference[n].flatten() for n in names]))
+    g, r = grads.total, reference.total
+    return {key: _pair(grads.of(names, g), reference.of(names, r))
             for key, names in pooled.items()}
 
 
 def draws_curve(module, named_parameters, batches, seed: int, ks: Sequence[int],
                 reference: Gradients) -> Dict[str, list]:
-    """Relative L2 error versus `reference` of the mean of the first K gradient draws, for
-    each K in `ks` (draw k uses stream iteration k)."""
+    """Relative L2 error versus `reference` (whole set) of the mean of the first K gradient
+    draws, for each K in `ks` (draw k uses stream iteration k)."""
     ks = sorted(set(int(k) for k in ks))
-    keys = sorted(reference)
-    ref = torch.cat([reference[k].flatten() for k in keys])
+    ref = reference.total
     running = torch.zeros_like(ref)
     errors = []
     for k in range(1, ks[-1] + 1):
-        g = gradients(module, named_parameters, batches, seed, draw=k)
-        running += torch.cat([g[n].flatten() for n in keys])
+        running += gradients(module, named_parameters, batches, seed, draw=k).total
         if k in ks:
             errors.append(float((running / k - ref).norm() / ref.norm()))
     slope = float(np.polyfit(np.log(ks), np.log(errors), 1)[0]) if len(ks) > 1 else float("nan")

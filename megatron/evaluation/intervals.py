@@ -65,3 +65,13 @@ def token_quantiles(per_token_diff: np.ndarray,
     """Quantiles of the per-token loss differences (scored tokens only)."""
     values = np.quantile(np.asarray(per_token_diff, dtype=np.float64), quantiles)
     return {f"q{q:g}": float(v) for q, v in zip(quantiles, values)}
+
+
+def mean_interval(values: Sequence[float]) -> Dict[str, object]:
+    """Mean and t interval of paired per-unit differences (e.g. per micro-batch)."""
+    v = np.asarray(values, dtype=np.float64)
+    mean = float(v.mean())
+    if v.size < 2:
+        return {"mean": mean, "ci95": [float("nan"), float("nan")], "n": int(v.size)}
+    half = float(stats.t.ppf(0.975, v.size - 1) * v.std(ddof=1) / np.sqrt(v.size))
+    return {"mean": mean, "ci95": [mean - half, mean + half], "n": int(v.size)}

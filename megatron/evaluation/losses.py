@@ -54,6 +54,18 @@ def validation_batches(args, tokenizer) -> List[dict]:
     return [next(iterator) for _ in range(args.eval_iters * args.num_micro_batches)]
 
 
+def repeated_sequences(batches: List[dict]) -> int:
+    """How many of this rank's sequences repeat an earlier one (a validation split smaller
+    than --eval-iters x global batch wraps around)."""
+    seen, repeats = set(), 0
+    for batch in batches:
+        for row in batch["tokens"]:
+            key = row.numpy().tobytes()
+            repeats += key in seen
+            seen.add(key)
+    return repeats
+
+
 def _gather(array: np.ndarray) -> np.ndarray:
     """Concatenate a per-rank array over the data-parallel group (rank order)."""
     group = parallel_state.get_data_parallel_group()

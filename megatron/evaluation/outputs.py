@@ -22,25 +22,37 @@ def _interval(ci) -> str:
     return f"[{_f(ci[0])}, {_f(ci[1])}]"
 
 
+def _operands(arm: dict) -> str:
+    stats = arm.get("forward_operands") or {}
+    cells = []
+    for metric in ("saturated_pct", "flushed_pct"):
+        m = stats.get(metric)
+        cells.append("—" if m is None else f"{m['worst']:.3g} ({m['median']:.3g})")
+    return " | ".join(cells)
+
+
 def arms_table(doc: dict) -> List[str]:
     lines = [f"Direct cast: {doc['tokens']:,} tokens in {doc['sequences']} sequences, same "
              f"weights (iteration {doc['iteration']}) and batches for every arm; "
              f"{doc['precision']}; delta = loss - {doc['baseline']} (nats/token), 95% "
-             "intervals over sequences (t and bootstrap).", "",
+             "intervals over sequences (t and bootstrap). Saturated / flushed: share of the "
+             "quantized forward operands' elements, worst operand and median over operands, "
+             "on the first micro-batch.", "",
              "| scheme | loss | perplexity | delta | 95% CI (t) | 95% CI (bootstrap) | "
-             "token delta p1 / p50 / p99 |",
-             "|---|---:|---:|---:|---|---|---|"]
+             "token delta p1 / p50 / p99 | saturated % worst (median) | "
+             "flushed % worst (median) |",
+             "|---|---:|---:|---:|---|---|---|---:|---:|"]
     for spec, arm in doc["schemes"].items():
         d = arm.get("delta_vs_baseline")
         if d is None:
             lines.append(f"| {spec} (baseline) | {_f(arm['loss'])} | {arm['perplexity']:.3f} "
-                         "| — | — | — | — |")
+                         f"| — | — | — | — | {_operands(arm)} |")
             continue
         q = arm["token_delta_quantiles"]
         lines.append(f"| {spec} | {_f(arm['loss'])} | {arm['perplexity']:.3f} | "
                      f"{d['mean']:+.6f} | {_interval(d['ci95'])} | "
                      f"{_interval(d['ci95_bootstrap'])} | {q['q0.01']:+.4f} / "
-                     f"{q['q0.5']:+.4f} / {q['q0.99']:+.4f} |")
+                     f"{q['q0.5']:+.4f} / {q['q0.99']:+.4f} | {_operands(arm)} |")
     return lines
 
 
@@ -48,8 +60,7 @@ def sweep_table(sweep: dict) -> List[str]:
     lines = ["", f"Per-site sweep: one site at a time in `{sweep['scheme']}`, delta vs "
              f"{sweep['reference']} (loss {_f(sweep['reference_loss'])}), largest first.", "",
              "| rank | layer | site | delta | 95% CI (t) |", "|---:|---:|---|---:|---|"]
-    by_key = {f"{r['layer'] if r['layer'] is not None else '-'}/{r['site']}": r
-              for r in sweep["sites"]}
+    by_key = {r["key"]: r for r in sweep["sites"]}
     for rank, key in enumerate(sweep["ranking"], 1):
         r = by_key[key]
         layer = r["layer"] if r["layer"] is not None else "—"
@@ -210,9 +221,9 @@ def write(doc: dict, outdir: str) -> List[str]:
 
 
 def write_sequences(arms: dict, outdir: str) -> str:
-    """sequences.npz: `labels` (the arms, in order), `tokens` [m] scored tokens per sequence
-    and `sums` [arms, m] each arm's summed loss per sequence: what the intervals are computed
-    from, for a user's own statistics."""
+    """sequences.npz: `labels` (the arms, in order; sweep rows as "sweep:LAYER/SITE"),
+    `tokens` [m] scored tokens per sequence and `sums` [arms, m] each arm's summed loss per
+    sequence: what the intervals are computed from, for a user's own statistics."""
     labels = list(arms)
     first = arms[labels[0]]
     path = os.path.join(outdir, "sequences.npz")

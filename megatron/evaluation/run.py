@@ -14,7 +14,8 @@ from megatron.evaluation import gradients as grads
 from megatron.evaluation import outputs
 from megatron.evaluation.intervals import paired_delta, token_quantiles
 from megatron.evaluation.losses import (
-    ArmLosses, arm_losses, first_batch_logits, validation_batches)
+    ArmLosses, arm_losses, first_batch_logits, repeated_sequences, validation_batches)
+from megatron.evaluation.operand_stats import forward_operand_stats
 from megatron.evaluation.model_state import SiteSubset, load_model, sweep_targets
 from megatron.evaluation.specs import quant_args_for
 from megatron.quantization.formats import set_compile
@@ -74,10 +75,16 @@ def _evaluate(own, args, parser, start: float) -> Dict:
         f"{args.seq_length} tokens per data-parallel rank; precision "
         f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
 
+    repeats = repeated_sequences(batches)
+    if repeats:
+        log(f"warning: {repeats} of {len(batches) * args.micro_batch_size} validation sequences "
+            "repeat earlier ones (the validation split is smaller than --eval-iters x "
+            "--global-batch-size sequences): the intervals count them as independent; lower "
+            "--eval-iters or give the validation split a larger share (--split)")
     doc = {"baseline": own.schemes[0], "checkpoint": os.path.abspath(args.load),
            "iteration": model.iteration,
            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-           "micro_batches_per_rank": len(batches), "seq_length": args.seq_length,
+           "micro_batches_per_rank": len(batches), "repeated_sequences_rank0": repeats, "seq_length": args.seq_length,
            "data": "mock" if args.mock_data else args.data_path, "seed": args.seed,
            "rounding_seed": own.draw_seed,
            "schemes": {}}
@@ -88,6 +95,7 @@ def _evaluate(own, args, parser, start: float) -> Dict:
         arms[spec] = arm_losses(model.module, batches, own.draw_seed, log, spec)
         base = arms[own.schemes[0]] if i else None
         doc["schemes"][spec] = _arm_summary(arms[spec], base)
+        doc["schemes"][spec]["forward_operands"] = forward_operand_stats(model.module, batches[0])
         log(f"{spec}: loss {arms[spec].loss:.6f} ({i + 1}/{len(own.schemes)} arms"
             f"{_eta(i + 1, len(own.schemes), t0)})")
         if i == 0 and own.dump_logits:
@@ -99,7 +107,8 @@ def _evaluate(own, args, parser, start: float) -> Dict:
     doc["sequences"] = int(arms[own.schemes[0]].sequence_sums.size)
 
     if own.sweep:
-        doc["sweep"] = _sweep(own, args, model, batches, arms, sweep_args)
+        doc["sweep"], sweep_arms = _sweep(own, args, model, batches, arms, sweep_args)
+        arms.update(sweep_arms)
     if own.gradients:
         doc["gradients"] = _gradients(own, args, model, batches, arm_args)
     doc["seconds"] = round(time.time() - start, 1)
@@ -122,6 +131,7 @@ def _sweep(own, args, model, batches, arms, sweep_args) -> dict:
     targets = sweep_targets(model.sites)
     base = sweep_args.quant_config
     rows = []
+    sweep_arms = {} if reference_spec else {"sweep:reference": reference}
     t0 = time.time()
     for n, (layer, label, paths) in enumerate(targets, 1):
         subset = SiteSubset(scheme=f"sweep {label}", base=base, paths=paths)
@@ -130,16 +140,17 @@ def _sweep(own, args, model, batches, arms, sweep_args) -> dict:
             continue       # the sweep scheme keeps this site in high precision
         arm = arm_losses(model.module, batches, own.draw_seed, log, f"site {layer}/{label}")
         delta = paired_delta(arm.sequence_sums, reference.sequence_sums, arm.sequence_tokens)
-        rows.append({"layer": layer, "site": label, "paths": sorted(paths), "loss": arm.loss,
-                     "delta": delta})
+        key = f"{layer if layer is not None else '-'}/{label}"
+        sweep_arms[f"sweep:{key}"] = arm
+        rows.append({"layer": layer, "site": label, "key": key, "paths": sorted(paths),
+                     "loss": arm.loss, "delta": delta})
         where = "output layer" if layer is None else f"layer {layer} {label}"
         log(f"sweep {n}/{len(targets)}: {where}: delta {delta['mean']:+.6f}"
             f"{_eta(n, len(targets), t0)}")
     ranking = sorted(range(len(rows)), key=lambda i: -rows[i]["delta"]["mean"])
     return {"scheme": own.sweep_scheme, "reference": reference_spec or "unquantized",
             "reference_loss": reference.loss, "sites": rows,
-            "ranking": [f"{rows[i]['layer'] if rows[i]['layer'] is not None else '-'}/"
-                        f"{rows[i]['site']}" for i in ranking]}
+            "ranking": [rows[i]["key"] for i in ranking]}, sweep_arms
 
 
 def _gradients(own, args, model, batches, arm_args) -> dict:

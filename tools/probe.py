@@ -1,0 +1,145 @@
+"""`make probe`: measure the formats where the signal is, on trained weights held fixed.
+
+1. Train llama-tiny in bf16 on the embedded Wikipedia data with an 8k BPE (the study's
+   flags, one seed) and keep the checkpoint (reused while the command is the same).
+2. tools/evaluate.py on that checkpoint: every scheme family and recipe in direct cast, with
+   the per-site sweep (OUT/direct/).
+3. tools/evaluate.py --gradients: gradient fidelity of the arms the claims need (OUT/gradients/).
+4. The published claims those numbers test, with their intervals and verdicts:
+   OUT/claims.md (megatron/evaluation/claims.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from megatron.evaluation import claims  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "runs", "probe"),
+                   help="Checkpoint, evaluations and claims (default: runs/probe).")
+    p.add_argument("--data-root", default=os.path.join(REPO_ROOT, "data"),
+                   help="Where the embedded datasets live (built if missing).")
+    p.add_argument("--train-iters", type=int, default=400,
+                   help="Training iterations of the probed model (default: %(default)s: 400 x "
+                        "4 x 256 = 409,600 tokens, the study's budget).")
+    p.add_argument("--eval-iters", type=int, default=60,
+                   help="Validation batches of 4 x 256 tokens per arm (default: %(default)s, "
+                        "61,440 tokens, within the 5%% validation split).")
+    p.add_argument("--gradient-micro-batches", type=int, default=8,
+                   help="Micro-batches of the gradient comparison (default: %(default)s).")
+    p.add_argument("--seed", type=int, default=1, help="Training seed (default: %(default)s).")
+    return p.parse_args(argv)
+
+
+def stream(cmd, log_path: str, echo, env=None) -> None:
+    """Run `cmd`, logging all output to `log_path` and passing lines to `echo`; raise on
+    failure naming the log."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, PYTHONPATH=REPO_ROOT, **(env or {})))
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            echo(line.rstrip())
+        if proc.wait() != 0:
+            raise SystemExit(f"error: {os.path.basename(cmd[1])} failed (exit code "
+                             f"{proc.returncode}); see {log_path}")
+
+
+def training_echo(total: int, start: float):
+    pattern = re.compile(r"iteration\s+(\d+)/\s*(\d+)")
+
+    def echo(line: str) -> None:
+        m = pattern.search(line)
+        if m and int(m.group(1)) % 50 == 0:
+            done = int(m.group(1))
+            eta = (time.time() - start) / done * (total - done)
+            print(f"[probe] training: iteration {done}/{total}, about {eta / 60:.1f} min left",
+                  flush=True)
+        elif line.startswith("error") or "validation loss" in line:
+            print(f"[probe]   {line.strip()}", flush=True)
+    return echo
+
+
+def evaluation_echo(line: str) -> None:
+    if line.startswith("[") or line.startswith("error") or "warning" in line:
+        print(f"[probe]   {line}", flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from megatron.training.corpora import ensure_bpe_dataset
+
+    start = time.time()
+    out = os.path.abspath(args.output_dir)
+    os.makedirs(out, exist_ok=True)
+    prefix, tokenizer = ensure_bpe_dataset("wikipedia", 8192, args.data_root)
+    data = ["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", tokenizer, "--split", "95,5,0", "--seq-length", "256",
+            "--micro-batch-size", "4", "--global-batch-size", "4", "--num-workers", "0",
+            "--seed", str(args.seed)]
+    iters = args.train_iters
+    train = [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"),
+             "--model-preset", "llama-tiny", *data, "--bf16", "--train-iters", str(iters),
+             "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine",
+             "--lr-decay-iters", str(iters), "--lr-warmup-iters", str(max(1, iters // 10)),
+             "--log-interval", "10", "--eval-interval", str(iters), "--eval-iters", "10"]
+    key = hashlib.sha256(json.dumps(train[2:]).encode()).hexdigest()[:16]
+    ckpt = os.path.join(out, f"checkpoint-{key}")
+    tracker = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
+    if os.path.exists(tracker) and open(tracker).read().strip() == str(iters):
+        print(f"[probe] reusing the trained checkpoint {ckpt}", flush=True)
+    else:
+        print(f"[probe] training llama-tiny in bf16 for {iters} iterations -> {ckpt} "
+              f"(log: {out}/train.log)", flush=True)
+        t0 = time.time()
+        stream(train + ["--save", ckpt], os.path.join(out, "train.log"),
+               training_echo(iters, t0))
+        print(f"[probe] trained in {(time.time() - t0) / 60:.1f} min", flush=True)
+
+    evaluate = [sys.executable, os.path.join(REPO_ROOT, "tools", "evaluate.py"), "--load", ckpt,
+                "--model-preset", "llama-tiny", *data, "--bf16", "--eval-iters",
+                str(args.eval_iters)]
+    direct, grads = os.path.join(out, "direct"), os.path.join(out, "gradients")
+    steps = [("direct cast and per-site sweep", direct,
+              ["--schemes", *claims.DIRECT_ARMS, "--sweep", "sites"]),
+             ("gradient fidelity", grads,
+              ["--schemes", *claims.GRADIENT_ARMS, "--gradients",
+               "--gradient-micro-batches", str(args.gradient_micro_batches)])]
+    for n, (what, outdir, flags) in enumerate(steps, 1):
+        t0 = time.time()
+        print(f"[probe] step {n}/{len(steps)}: {what} -> {outdir}", flush=True)
+        stream(evaluate + ["--output-dir", outdir, *flags],
+               os.path.join(out, f"evaluate-{os.path.basename(outdir)}.log"), evaluation_echo)
+        print(f"[probe] {what} done in {(time.time() - t0) / 60:.1f} min", flush=True)
+
+    with open(os.path.join(direct, "evaluation.json")) as f:
+        direct_doc = json.load(f)
+    with open(os.path.join(grads, "evaluation.json")) as f:
+        grads_doc = json.load(f)
+    rows = claims.check(direct_doc, os.path.join(direct, "sequences.npz"), grads_doc)
+    claims.write(rows, out)
+    print("\n" + claims.markdown(rows))
+    print(f"[probe] finished in {(time.time() - start) / 60:.1f} min")
+    print(f"  direct cast : {direct}/evaluation.md (+ evaluation.png, sweep.png)")
+    print(f"  gradients   : {grads}/evaluation.md (+ gradients.png)")
+    print(f"  claims      : {out}/claims.md")
+
+
+if __name__ == "__main__":
+    main()
