@@ -93,7 +93,7 @@ def parse(argv: Optional[List[str]] = None):
                           "flags), not --quant-scheme/--quant-recipe/--quant-recipe-file")
     # Training-only settings evaluation never uses (validate_args requires them).
     if args.train_iters is None:
-        args.train_iters = 0
+        args.train_iters = 1
     if args.lr is None:
         args.lr = 0.0
     args = validate_args(args)
