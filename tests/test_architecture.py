@@ -19,6 +19,7 @@ ALLOWED = {
     "tensor_capture": {"tensor_capture", "quantization"},
     "analysis": {"analysis", "tensor_capture", "quantization"},
     "training": {"training", "analysis", "tensor_capture", "quantization"},
+    "evaluation": {"evaluation", "training", "analysis", "tensor_capture", "quantization"},
 }
 OURS = tuple(f"megatron.{name}" for name in ALLOWED)
 

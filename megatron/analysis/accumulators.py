@@ -33,7 +33,7 @@ _SUM_FIELDS = (  # merged by addition
 )
 _FLOAT_ARRAYS = ("regions", "grid_regions")     # counts reconstructed from manifest fractions
 _ARRAY_FIELDS = ("hist", "q_hist", "scaled_hist", "scale_hist", "regions", "grid_hist",
-                 "grid_regions", "nvfp4_scale_hist")
+                 "grid_regions", "cast_hist", "nvfp4_scale_hist")
 # Extrema of NVFP4 / FP8 scales: per-tensor scales and nonzero block (tile) scales.
 _MIN_FIELDS = ("tensor_scale_min", "block_scale_min")
 _MAX_FIELDS = ("tensor_scale_max", "block_scale_max")
@@ -50,6 +50,8 @@ class Stats:
     for records with tensors they are derived from `hist`. `grid_hist`: for HiF8 records, the
     |x| histogram of the values as the grid saw them (hp * 2^k for the `hifp8_scaled` records
     scaled per tensor, hp otherwise); `grid_regions`: the same from manifest statistics.
+    `cast_hist` (records with tensors, every format): the |x| histogram as HiF8's grid would
+    see it with a per-tensor scale (megatron.analysis.hifp8.add_cast_histogram).
     """
 
     __slots__ = _SUM_FIELDS + _ARRAY_FIELDS + _MIN_FIELDS + _MAX_FIELDS + (
@@ -154,6 +156,7 @@ class Stats:
         out["hifp8_regions"] = _region_shares(self.region_counts())
         out["hifp8_grid_regions"] = _region_shares(self.grid_region_counts())
         out["hifp8_scaled_records"] = int(self.hifp8_scaled)
+        out["hifp8_tensor_scaled_regions"] = _region_shares(_sum_regions(self.cast_hist, None))
         if not self.quantized:
             out["quantization"] = None
             return out

@@ -20,22 +20,33 @@ Records of HiF8 operands quantized with a per-tensor scale carry metadata
 magnitude by exactly k binades, i.e. 4k histogram bins, so the histogram of the values the grid
 saw is the record's histogram shifted (`grid_histogram`); its regions are reported beside the
 regions of the unscaled values.
+
+The run's HiF8 scaling (`--hifp8-scaling`, as the HiF8 records carry it) decides how every
+HiF8 view of the report reads the values: HiF8 operands as the grid saw them, and the "if cast
+to HiF8" views of other runs' tensors with the same rule (`cast_histogram`: a per-tensor
+scale from each record's amax, exactly as training picks it) when the HiF8 runs scaled.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+import math
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from megatron.analysis.binning import SUB, bin_index_of_value
+from megatron.quantization.formats import HIFP8_DEFAULT_TARGET_EXPONENT
 
 # HiFP8 precision regions, in the order of Stats.regions.
 REGIONS = ("underflow", "denormal", "mant1", "mant2", "mant3", "overflow")
 
 OVERFLOW = 1.25 * 2.0 ** 15
 UNDERFLOW = 2.0 ** -23
+MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -127, 127
+
+# The run's HiF8 scaling, per scheme with HiF8 operands (`scheme_scalings`).
+UNSCALED, TENSOR, MIXED = "none", "tensor", "mixed"
 
 # (label, lower bound, upper bound, mantissa bits or None) from small to large magnitude;
 # the two sides of the tapered layout are kept apart for plots.
@@ -117,3 +128,55 @@ def add_grid_histogram(stats, fmt, k: Optional[int]) -> None:
         return
     stats.add_array("grid_hist", stats.hist if k is None else grid_histogram(stats.hist, k))
     stats.hifp8_scaled += int(k is not None)
+
+
+def tensor_scale_exponent(amax: float, finite: bool = True,
+                          target_exponent: int = HIFP8_DEFAULT_TARGET_EXPONENT) -> int:
+    """k that per-tensor HiF8 scaling picks for a tensor with this amax: amax * 2^k lands in
+    [2^target, 2^(target + 1)), k clamped to [-127, 127]; 0 for an all-zero tensor or one
+    holding NaN/Inf (`finite` False), which training quantizes unscaled."""
+    if not finite or not math.isfinite(amax) or amax <= 0:
+        return 0
+    _, e = math.frexp(amax)                       # amax = m * 2^e, m in [0.5, 1)
+    return int(min(max(target_exponent + 1 - e, MIN_SCALE_EXPONENT), MAX_SCALE_EXPONENT))
+
+
+def add_cast_histogram(stats, fmt, k: Optional[int]) -> None:
+    """`cast_hist`: the |x| histogram as HiF8's grid would see the record under per-tensor
+    scaling: shifted by the record's own k for a HiF8 record scaled in training, else by the k
+    the rule picks from its amax (`tensor_scale_exponent`)."""
+    if stats.hist is None:
+        return
+    if fmt.kind != "hifp8" or k is None:
+        k = tensor_scale_exponent(stats.absmax, finite=not (stats.nan or stats.inf))
+    stats.add_array("cast_hist", grid_histogram(stats.hist, k))
+
+
+def scheme_scalings(groups) -> Dict[str, str]:
+    """The HiF8 scaling of each scheme with HiF8 operands, from its records: TENSOR when they
+    were scaled per tensor, UNSCALED when none was, MIXED otherwise."""
+    counts: Dict[str, List[int]] = {}
+    for key, stats in groups.items():
+        if key.format == "hifp8":
+            scaled_total = counts.setdefault(key.quant_scheme, [0, 0])
+            scaled_total[0] += int(stats.hifp8_scaled)
+            scaled_total[1] += int(stats.records)
+    return {scheme: TENSOR if scaled == total else UNSCALED if scaled == 0 else MIXED
+            for scheme, (scaled, total) in sorted(counts.items())}
+
+
+def cast_views(scalings: Dict[str, str]) -> List[str]:
+    """How to show other runs' tensors "if cast to HiF8": with the scalings the HiF8 runs
+    used (UNSCALED and/or TENSOR), unscaled when no run used HiF8."""
+    used = set(scalings.values())
+    views = []
+    if not used or used & {UNSCALED, MIXED}:
+        views.append(UNSCALED)
+    if used & {TENSOR, MIXED}:
+        views.append(TENSOR)
+    return views
+
+
+def run_scaled(scalings: Dict[str, str]) -> bool:
+    """Whether any HiF8 run scaled its operands per tensor."""
+    return bool(set(scalings.values()) & {TENSOR, MIXED})

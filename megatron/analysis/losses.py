@@ -266,14 +266,19 @@ def plot_losses(curves: List[LossCurve], baseline: str, outdir: str,
     """Loss vs iteration per run, and the relative difference to the baseline."""
     if not curves:
         return None
-    import matplotlib
+    from megatron.analysis.plots import style      # matplotlib only when drawing
 
-    matplotlib.use("Agg")
+    with style():
+        return _plot_losses(curves, baseline, outdir, colors)
+
+
+def _plot_losses(curves: List[LossCurve], baseline: str, outdir: str,
+                 colors: Optional[Dict[str, tuple]]) -> dict:
     import matplotlib.pyplot as plt
 
     base = next((c for c in curves if c.name == baseline), None)
     rows = 2 if base is not None and len(curves) > 1 else 1
-    fig, axes = plt.subplots(rows, 1, figsize=(9, 4 + 2.6 * (rows - 1)), squeeze=False,
+    fig, axes = plt.subplots(rows, 1, figsize=(10.4, 4.4 + 2.8 * (rows - 1)), squeeze=False,
                              sharex=True, layout="constrained")
     cmap = plt.get_cmap("tab10")
     ax = axes[0, 0]
@@ -296,7 +301,7 @@ def plot_losses(curves: List[LossCurve], baseline: str, outdir: str,
     ax.set_ylabel("lm loss")
     ax.set_title("Training loss per quantization scheme")
     ax.grid(alpha=0.3, lw=0.5)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(ncol=2)
     if rows == 2:
         window = last_window(sorted(base.train))
         if window:
@@ -307,7 +312,7 @@ def plot_losses(curves: List[LossCurve], baseline: str, outdir: str,
         axes[1, 0].set_ylabel(f"relative to {baseline} [%]")
         axes[1, 0].set_title(f"Relative loss difference to {baseline}")
         axes[1, 0].grid(alpha=0.3, lw=0.5)
-        axes[1, 0].legend(fontsize=8, ncol=3)
+        axes[1, 0].legend(ncol=3)
     axes[-1, 0].set_xlabel("iteration")
     path = os.path.join(outdir, "loss_curves.png")
     try:

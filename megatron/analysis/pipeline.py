@@ -19,8 +19,8 @@ from typing import List, Optional
 
 from megatron.analysis import losses as loss_mod
 from megatron.analysis import study as study_mod
-from megatron.analysis import (plots, provenance, report, statistics, telemetry, telemetry_plots,
-                               textreport)
+from megatron.analysis import (plots, provenance, report, statistics, tables, telemetry,
+                               telemetry_plots, textreport)
 from megatron.analysis.comparison import common_tensors
 from megatron.analysis.loading import Problems, read_captures
 from megatron.analysis.workers import BatchResult, run_batches
@@ -213,6 +213,7 @@ def analyze(options: Options) -> AnalysisResult:
                           "operations": options.operations, "max_records": options.max_records,
                           "manifest_only": options.manifest_only},
               "loss_sources": [c.source for c in curves],
+              "loss_baseline": options.loss_baseline,
               "tensorboard_dirs": list(options.tensorboard_dirs)}
     iterations = {}
     for entry in selected:
@@ -225,6 +226,8 @@ def analyze(options: Options) -> AnalysisResult:
                            common=common)
     if study_doc:
         doc["study"] = study_doc
+    summary = tables.summary_table(doc)
+    doc[tables.SUMMARY_KEY] = summary.as_json() if summary else None
     statistics.write_json(os.path.join(outdir, "statistics.json"), doc)
     with open(os.path.join(outdir, "statistics.txt"), "w", encoding="utf-8") as f:
         f.write(textreport.render(doc))

@@ -17,9 +17,10 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from megatron.analysis.accumulators import Stats
+from megatron.analysis.accumulators import Stats, sqnr_db
 from megatron.analysis.binning import E_MAX, E_MIN, NBINS, SUB, bin_edges_log2
 from megatron.analysis.comparison import common_tensors, comparison_section
+from megatron.analysis.hifp8 import scheme_scalings
 from megatron.analysis.loading import INCOMPLETE_RUN
 from megatron.analysis.ranges import describe, format_ranges, scale_description
 from megatron.analysis.workers import KEY_FIELDS, GroupKey
@@ -103,7 +104,35 @@ def quant_scheme_section(groups: Dict[GroupKey, Stats], quant_scheme: str) -> di
     q_all = merge_by(mine, lambda k: "all", quantized)
     if q_all:
         section["quantized"] = q_all["all"].metrics()
+    section["quantized_sites"] = quantized_sites(mine)
     return section
+
+
+def site_label(layer: int, module: str, tensor_name: str) -> str:
+    """A quantized operand's site as the report names it: `L2.linear_fc1 grad_output`."""
+    return f"L{layer}.{module} {tensor_name}"
+
+
+def quantized_sites(groups: Dict[GroupKey, Stats]) -> Optional[dict]:
+    """The quantized operands of `groups` per site (layer, module, tensor name; every captured
+    iteration, micro-batch and rank together): how many have an SQNR, its median over them,
+    and the worst site: the lowest SQNR, i.e. the highest relative error sqrt(e2 / x2)."""
+    merged = merge_by(groups, lambda k: (k.layer, k.module, k.tensor_name),
+                      lambda k: k.format != "none")
+    sites = []
+    for (layer, module, name), stats in merged.items():
+        value = sqnr_db(stats.x2, stats.e2) if stats.quantized else None
+        if value is None or math.isnan(value):
+            continue
+        rel = math.sqrt(stats.e2 / stats.x2) if stats.x2 > 0 else None
+        sites.append((value, layer, module, name, rel))
+    if not sites:
+        return None
+    value, layer, module, name, rel = min(sites, key=lambda site: site[0])
+    return {"sites": len(sites), "median_sqnr_db": float(np.median([s[0] for s in sites])),
+            "worst": {"site": site_label(layer, module, name), "layer": layer,
+                      "module": module, "tensor_name": name, "sqnr_db": value,
+                      "relative_error": rel}}
 
 
 def histogram_entries(groups: Dict[GroupKey, Stats]) -> List[dict]:
@@ -155,6 +184,7 @@ def build(result, captures, problems, inputs: dict, losses: Optional[dict] = Non
         "bin": "bin i = (E - e_min) * 4 + k holds |x| in [2^E (1 + k/4), 2^E (1 + (k+1)/4))",
     }
     doc["formats"] = {f: _format_dict(f) for f in formats}
+    doc["hifp8_scaling"] = scheme_scalings(groups)
     doc[OUTPUT_SCHEMES_KEY] = OrderedDict()
     for scheme in schemes:
         section = OrderedDict()

@@ -195,9 +195,12 @@ def plot_curves(panels: Dict[str, Dict[str, Dict[int, Dict[int, float]]]], out_p
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.5), squeeze=False)
+    # Panels stacked, as wide as the report's text column (the report shows figures at their
+    # own size).
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10.4, 4.4 * len(panels)), squeeze=False,
+                             sharex=True)
     names = list(dict.fromkeys(name for curves in panels.values() for name in curves))
-    for ax, (panel, curves) in zip(axes[0], panels.items()):
+    for ax, (panel, curves) in zip(axes[:, 0], panels.items()):
         for scheme, by_seed in curves.items():
             common = sorted(set.intersection(*(set(c) for c in by_seed.values()))) \
                 if by_seed else []
@@ -211,7 +214,8 @@ def plot_curves(panels: Dict[str, Dict[str, Dict[int, Dict[int, float]]]], out_p
                             color=color, alpha=0.18, linewidth=0)
         if "%" in panel:
             ax.axhline(0.0, color="black", linewidth=0.8)
-        ax.set_xlabel("iteration", fontsize=10)
+        if ax is axes[-1, 0]:
+            ax.set_xlabel("iteration", fontsize=10)
         ax.set_ylabel(panel, fontsize=10)
         ax.set_title(f"{panel}: mean over seeds, band = min..max", fontsize=11)
         ax.grid(alpha=0.3)

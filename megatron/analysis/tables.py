@@ -1,5 +1,6 @@
 """The report's tables, built once from statistics.json and rendered by textreport (plain
-text) and report (HTML): a title, notes, headers and rows of (value, kind) cells."""
+text) and report (HTML): a title, notes, headers and rows of (value, kind) cells. The summary
+table (one row per scheme) is also written into statistics.json (`Table.as_json`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.analysis import provenance, study
+from megatron.analysis.hifp8 import TENSOR, cast_views
 from megatron.analysis.statistics import OUTPUT_SCHEME_KEY, OUTPUT_SCHEMES_KEY
 
 Cell = Tuple[object, str]       # (value, kind): kind "text", "int", "pct", "pct100", "db", "g"
 REGION_KEYS = ("underflow", "denormal", "mant1", "mant2", "mant3", "overflow")
 REGION_HEADERS = ["underflow", "denormal", "1-bit mant", "2-bit mant", "3-bit mant", "overflow"]
+
+
+SUMMARY_KEY = "summary"
+DASH = "\u2014"        # a missing value in the summary table
 
 
 @dataclass
@@ -22,6 +28,18 @@ class Table:
     headers: List[str]
     rows: List[List[Cell]]
     notes: List[str] = field(default_factory=list)
+    missing: str = "-"     # how a missing value (None) is shown
+
+    def cells(self) -> List[List[str]]:
+        """The rows as plain text."""
+        return [[self.missing if value is None else fmt(value, kind) for value, kind in row]
+                for row in self.rows]
+
+    def as_json(self) -> dict:
+        """The table with its raw values (null where missing), for statistics.json."""
+        return {"key": self.key, "title": self.title, "headers": list(self.headers),
+                "rows": [[value for value, _ in row] for row in self.rows],
+                "notes": list(self.notes)}
 
 
 def fmt(value, kind: str = "g") -> str:
@@ -138,8 +156,12 @@ def tensor_tables(doc: dict) -> List[Table]:
 
 
 def hifp8_table(doc: dict) -> Optional[Table]:
+    """HiF8 regions per scheme and tensor class, read with the run's HiF8 scaling: the HiF8
+    operands as the grid saw them, and, when the HiF8 runs scaled per tensor, the other
+    schemes' tensors as HiF8 would see them with the same rule, besides the unscaled values."""
     rows = []
-    scaled_any = False
+    scaled_any = cast_scaled = False
+    scaled_run = TENSOR in cast_views(doc.get("hifp8_scaling") or {})
     by_class = (doc.get("comparison") or {}).get("by_tensor_class") or {}
     for scheme, classes in by_class.items():
         for cls, m in classes.items():
@@ -148,9 +170,12 @@ def hifp8_table(doc: dict) -> Optional[Table]:
                 scaled_any = True
                 views.append((f"HiF8 grid (scaled x2^k, {m['hifp8_scaled_records']} records)",
                               m["hifp8_grid_regions"]))
-                views.append(("unscaled values", m.get("hifp8_regions")))
-            else:
-                views.append(("unscaled values", m.get("hifp8_regions")))
+            elif scaled_run and not m.get("hifp8_grid_regions") \
+                    and m.get("hifp8_tensor_scaled_regions"):
+                cast_scaled = True
+                views.append(("if cast with a per-tensor scale",
+                              m["hifp8_tensor_scaled_regions"]))
+            views.append(("unscaled values", m.get("hifp8_regions")))
             for view, regions in views:
                 if regions:
                     rows.append([_t(scheme), _t(cls), _t(view)] +
@@ -163,6 +188,11 @@ def hifp8_table(doc: dict) -> Optional[Table]:
     if scaled_any:
         notes[0] += ("; 'HiF8 grid' rows are the HiF8 operands quantized with a per-tensor "
                      "scale, as the grid saw them (hp * 2^k)")
+    if cast_scaled:
+        notes[0] += ("; 'if cast with a per-tensor scale' rows read the other schemes' "
+                     "tensors with the HiF8 runs' scaling (--hifp8-scaling tensor): each "
+                     "record times 2^k, k from its amax by the rule training uses (amax * 2^k "
+                     "in [8, 16))")
     notes[0] += "."
     return Table("hifp8_regions", "HiF8 precision regions", ["quant type", "tensors", "values"]
                  + REGION_HEADERS, rows, notes)
@@ -202,6 +232,17 @@ def scales_table(doc: dict) -> Optional[Table]:
                   "(NVFP4 |v| >= 7, FP8 beyond max + half a step)."])
 
 
+def _gap_note(losses: dict) -> str:
+    """What a loss gap is, and what its spread is not (seed-to-seed noise)."""
+    base = losses.get("baseline") or "(baseline not found)"
+    return (f"gap = mean loss minus {base}'s mean loss over the last "
+            f"{100 * losses.get('window_fraction', 0.1):.0f}% of the iterations both runs "
+            f"logged (at least {losses.get('min_window', 3)}); spread = "
+            "sqrt(std_run^2 + std_baseline^2) over that window (sample std): the curves' "
+            "batch-to-batch spread, not seed-to-seed noise, which one run per scheme cannot "
+            "measure (tools/study.py can).")
+
+
 def loss_table(doc: dict) -> Optional[Table]:
     losses = doc.get("losses") or {}
     if not losses.get("table"):
@@ -221,13 +262,8 @@ def loss_table(doc: dict) -> Optional[Table]:
                      (r.get("relative_gap_to_baseline"), "pct"), _t(r.get("gap_note")),
                      (r["final_validation_loss"], "g"), _t(validation)])
     base = losses.get("baseline") or "(baseline not found)"
-    notes = [f"gap = mean loss minus {base}'s mean loss over the last "
-             f"{100 * losses.get('window_fraction', 0.1):.0f}% of the iterations both runs "
-             f"logged (at least {losses.get('min_window', 3)}); spread = "
-             "sqrt(std_run^2 + std_baseline^2) over that window (sample std): the curves' "
-             "batch-to-batch spread, not seed-to-seed noise, which one run per scheme cannot "
-             "measure (tools/study.py can). Validation: the difference at the last common "
-             "evaluation (one point, not a gap)."]
+    notes = [_gap_note(losses) + " Validation: the difference at the last common evaluation "
+             "(one point, not a gap)."]
     return Table("losses", f"Loss gap to {base}",
                  ["run", "last iteration", "final loss", "window", "mean ± std", "gap",
                   "spread", "rel. gap", "note", "validation loss", "validation difference"],
@@ -297,10 +333,83 @@ def study_table(doc: dict) -> Optional[Table]:
                   "contains 0."])
 
 
+def _loss_gap(row: Optional[dict], baseline: Optional[str]) -> Optional[str]:
+    """A run's loss gap to the baseline in words: value ± spread (relative), and whether it
+    is within the curves' spread."""
+    if not row:
+        return None
+    if row["run"] == baseline:
+        return "baseline"
+    gap = row.get("gap_to_baseline")
+    if gap is None:
+        return None
+    text = f"{gap:+.3g} \u00b1 {row['gap_spread']:.2g}"
+    if row.get("relative_gap_to_baseline") is not None:
+        text += f" ({100 * row['relative_gap_to_baseline']:+.2g}%)"
+    return text + (", within the curves' spread" if row.get("gap_within_noise")
+                   else ", beyond the curves' spread")
+
+
+def summary_table(doc: dict) -> Optional[Table]:
+    """One row per scheme, at the top of the reports: the worst quantized site, the saturated
+    and flushed-to-zero shares, the median and worst site SQNR and the loss gap."""
+    schemes = doc.get(OUTPUT_SCHEMES_KEY) or {}
+    losses = doc.get("losses") or {}
+    by_run = {r["run"]: r for r in losses.get("table") or []}
+    run_of = {}
+    for scheme in schemes:
+        for name in (scheme, scheme.split("@")[0]):
+            if name in by_run:
+                run_of[scheme] = name
+                break
+    names = list(schemes) + [run for run in by_run if run not in run_of.values()]
+    if not names:
+        return None
+    rows = []
+    incomplete = False
+    for name in names:
+        sec = schemes.get(name) or {}
+        q = (sec.get("quantized") or {}).get("quantization") or {}
+        sites = sec.get("quantized_sites") or {}
+        worst = sites.get("worst") or {}
+        run = run_of.get(name) if name in schemes else name
+        status = (sec.get("capture") or {}).get("status", "complete")
+        label = name if status == "complete" else f"{name}: {status}"
+        incomplete |= status != "complete"
+        rows.append([_t(label), _t(worst.get("site")), (q.get("saturated_fraction"), "pct"),
+                     (q.get("flushed_fraction"), "pct"), (sites.get("median_sqnr_db"), "db"),
+                     (worst.get("sqnr_db"), "db"),
+                     _t(_loss_gap(by_run.get(run), losses.get("baseline")))])
+    baseline = losses.get("baseline") or (doc.get("inputs") or {}).get("loss_baseline") \
+        or "bf16"
+    notes = ["Per scheme over all of its quantized operands (the format table below compares "
+             "only the operands every scheme quantized). A site is one operand of one layer "
+             "(layer, module, tensor name) over every captured iteration, micro-batch and "
+             "rank; the worst site has the lowest SQNR = 10 log10(sum x^2 / sum (q - x)^2), "
+             "i.e. the highest relative error sqrt(sum (q - x)^2 / sum x^2); median and worst "
+             "SQNR are over the sites. Saturated: finite elements clamped at the format's "
+             "largest value; flushed to zero: nonzero elements that became 0."]
+    if by_run:
+        notes.append("Loss gap: " + _gap_note(losses) + " Shown as gap \u00b1 spread "
+                     "(relative gap).")
+    else:
+        notes.append(f"Loss gap to {baseline}: no loss logs given (--loss-logs / --loss-dir).")
+    if incomplete:
+        notes.append("A scheme marked 'incomplete run (killed?)' is summarised from the records "
+                     "its capture finished (see the problems).")
+    notes.append(f"{DASH}: not available (an unquantized scheme has no quantization error, a "
+                 "scheme without a loss log no gap).")
+    return Table(SUMMARY_KEY, "Summary", ["quant type", "worst site (lowest SQNR)",
+                                          "saturated", "flushed to zero", "median SQNR dB",
+                                          "worst SQNR dB", f"loss gap to {baseline}"],
+                 rows, notes, missing=DASH)
+
+
 def all_tables(doc: dict) -> List[Table]:
-    """Every table in report order."""
+    """Every table in report order (the summary first)."""
     tables: Sequence[Optional[Table]] = (
-        [run_table(doc), study_table(doc), captures_table(doc), format_table(doc)]
+        [summary_table(doc), run_table(doc), study_table(doc), captures_table(doc),
+         format_table(doc)]
         + tensor_tables(doc)
         + [scales_table(doc), hifp8_table(doc), loss_table(doc), telemetry_table(doc)])
     return [t for t in tables if t is not None]

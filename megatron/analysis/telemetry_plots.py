@@ -17,9 +17,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from megatron.analysis.plots import drawn_or_problem, save_figure  # noqa: E402
+from megatron.analysis.plots import COLUMN_IN, drawn_or_problem, save_figure, style  # noqa: E402
 from megatron.analysis.telemetry import site_operands  # noqa: E402
 
+_LEGEND_LAYERS = 8     # more layers: a colour bar instead of a legend per panel
 # (metric, axis label, worst = max?)
 _OVER_ITERATIONS = (
     ("sqnr_db", "SQNR [dB]", False),
@@ -37,41 +38,42 @@ def over_iterations(frame, outdir: str, colors: Dict[str, tuple]) -> Optional[di
     sites = _finite(site_operands(frame))
     if sites.empty:
         return None
-    fig, axes = plt.subplots(len(_OVER_ITERATIONS) + 1, 1, figsize=(10, 11), sharex=True,
-                             layout="constrained")
+    fig, axes = plt.subplots(len(_OVER_ITERATIONS) + 1, 1, figsize=(COLUMN_IN, 11.5),
+                             sharex=True, layout="constrained")
+    handles = {}
     for ax, (metric, label, worst_is_max) in zip(axes, _OVER_ITERATIONS):
         rows = sites[sites["metric"] == metric]
         for scheme, mine in rows.groupby("scheme", sort=True):
             by_step = mine.groupby("step")["value"]
             worst = by_step.max() if worst_is_max else by_step.min()
             color = colors.get(scheme)
-            ax.plot(worst.index, worst.values, color=color, lw=1.6, marker=".",
-                    label=f"{scheme}: worst operand")
+            (line,) = ax.plot(worst.index, worst.values, color=color, lw=1.6, marker=".",
+                              label=scheme)
+            handles.setdefault(scheme, line)
             mean = by_step.mean()
-            ax.plot(mean.index, mean.values, color=color, lw=1.2, ls="--",
-                    label=f"{scheme}: mean over operands")
+            ax.plot(mean.index, mean.values, color=color, lw=1.2, ls="--")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, lw=0.5)
-        if ax.lines:
-            ax.legend(fontsize=7, ncol=2)
     amax = sites[sites["metric"] == "amax"]
     ax = axes[-1]
     tops = []
     for scheme, mine in amax.groupby("scheme", sort=True):
         top = mine.groupby("step")["value"].max()
         tops.extend(v for v in top.values if v > 0)
-        ax.plot(top.index, top.values, color=colors.get(scheme), lw=1.4, marker=".",
-                label=scheme)
-    if ax.lines:
-        # log only over more than a decade: within one, a log axis may show no labelled tick
-        if tops and max(tops) > 10 * min(tops):
-            ax.set_yscale("log")
-        ax.legend(fontsize=7, ncol=3)
+        (line,) = ax.plot(top.index, top.values, color=colors.get(scheme), lw=1.4, marker=".",
+                          label=scheme)
+        handles.setdefault(scheme, line)
+    # log only over more than a decade: within one, a log axis may show no labelled tick
+    if ax.lines and tops and max(tops) > 10 * min(tops):
+        ax.set_yscale("log")
     ax.set_ylabel("largest amax")
     ax.grid(alpha=0.3, lw=0.5)
     axes[-1].set_xlabel("iteration")
-    fig.suptitle("Quantization telemetry during training (worst operand and mean over operands)",
-                 fontsize=12)
+    styles = [plt.Line2D([], [], color="black", lw=1.6, marker=".", label="worst operand"),
+              plt.Line2D([], [], color="black", lw=1.2, ls="--", label="mean over operands")]
+    fig.legend(handles=list(handles.values()) + styles, loc="outside lower center", ncol=4,
+               frameon=False)
+    fig.suptitle("Quantization telemetry during training (worst operand and mean over operands)")
     return {"file": save_figure(fig, outdir, "telemetry_over_iterations.png"),
             "title": "Quantization telemetry against iteration",
             "caption": "From the TensorBoard scalars training writes with "
@@ -96,16 +98,17 @@ def per_layer(frame, outdir: str) -> Optional[dict]:
     quantized = sorted(sites[sites["metric"] == "sqnr_db"]["scheme"].unique())
     if not quantized:
         return None
-    metrics = (("sqnr_db", "lowest SQNR in the layer [dB]", False),
-               ("flushed_pct", "highest flushed share in the layer [%]", True))
-    fig, axes = plt.subplots(len(metrics), len(quantized),
-                             figsize=(6.2 * len(quantized), 8.4), squeeze=False, sharex=True,
-                             layout="constrained")
+    metrics = (("sqnr_db", "lowest SQNR [dB]", False),
+               ("flushed_pct", "highest flushed [%]", True))
+    # One row per scheme; the panels of one metric (a column) share their vertical scale.
+    fig, axes = plt.subplots(len(quantized), len(metrics),
+                             figsize=(COLUMN_IN, 1.4 + 3.4 * len(quantized)), squeeze=False,
+                             sharex=True, sharey="col", layout="constrained")
     cmap = plt.get_cmap("viridis")
-    for col, scheme in enumerate(quantized):
+    for row, scheme in enumerate(quantized):
         mine = sites[sites["scheme"] == scheme]
         layers = sorted(int(v) for v in mine["layer"].dropna().unique())
-        for row, (metric, label, worst_is_max) in enumerate(metrics):
+        for col, (metric, label, worst_is_max) in enumerate(metrics):
             ax = axes[row, col]
             worst = _layer_worst(mine, metric, worst_is_max)
             for i, layer in enumerate(layers):
@@ -117,25 +120,32 @@ def per_layer(frame, outdir: str) -> Optional[dict]:
                 ax.plot(points["step"], points["value"], color=color, lw=1.3, marker=".",
                         label=f"L{layer} (last: {last['module']} {last['gemm']}."
                               f"{last['operand']})")
-            ax.set_title(f"{scheme}", fontsize=10)
-            ax.set_ylabel(label)
+            ax.set_title(f"{scheme}: {label}")
             ax.grid(alpha=0.3, lw=0.5)
-            if ax.lines:
-                ax.legend(fontsize=6.5, ncol=1 if len(layers) <= 8 else 2)
-        axes[-1, col].set_xlabel("iteration")
-    fig.suptitle("Worst operand of each layer against iteration", fontsize=12)
+            if ax.lines and len(layers) <= _LEGEND_LAYERS:
+                ax.legend()
+        if len(layers) > _LEGEND_LAYERS:       # a legend that long would hide the lines
+            bar = fig.colorbar(plt.cm.ScalarMappable(
+                cmap=cmap, norm=plt.Normalize(layers[0], layers[-1])), ax=axes[row, :])
+            bar.set_label("layer")
+    for ax in axes[-1, :]:
+        ax.set_xlabel("iteration")
+    fig.suptitle("Worst operand of each layer against iteration")
     return {"file": save_figure(fig, outdir, "telemetry_layers.png"),
             "title": "Worst operand per layer against iteration",
-            "caption": "Per quantized scheme (columns) and layer (lines, dark = first layer): "
+            "caption": "Per quantized scheme (rows) and layer (lines, dark = first layer): "
                        "the lowest SQNR and the highest flushed-to-zero share among the layer's "
-                       "quantized operands at each logged iteration; the legend names the "
-                       "operand that is worst at the last iteration."}
+                       "quantized operands at each logged iteration; the panels of one metric "
+                       "share their scale. The legend names the operand that is worst at the "
+                       f"last iteration (above {_LEGEND_LAYERS} layers a colour bar gives the "
+                       "layer instead)."}
 
 
 def make_all(frame, outdir: str, colors: Dict[str, tuple]) -> List[dict]:
     os.makedirs(outdir, exist_ok=True)
-    figures = [drawn_or_problem(lambda: over_iterations(frame, outdir, colors),
-                                "over_iterations"),
-               drawn_or_problem(lambda: per_layer(frame, outdir), "per_layer")]
+    with style():
+        figures = [drawn_or_problem(lambda: over_iterations(frame, outdir, colors),
+                                    "over_iterations"),
+                   drawn_or_problem(lambda: per_layer(frame, outdir), "per_layer")]
     return [f for f in figures if f is not None]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import List, Sequence
 
-from megatron.analysis.tables import all_tables, fmt
+from megatron.analysis.tables import all_tables
 
 
 def table(headers: Sequence[str], rows: List[Sequence[str]]) -> str:
@@ -37,7 +37,7 @@ def render(doc: dict) -> str:
             width = max(len(row[0][0]) for row in item.rows)
             out += [f"{row[0][0].ljust(width)}  {row[1][0]}" for row in item.rows]
         else:
-            out.append(table(item.headers, [[fmt(v, k) for v, k in row] for row in item.rows]))
+            out.append(table(item.headers, item.cells()))
         out.append("")
     cons = doc.get("consistency") or {}
     if cons:

@@ -19,7 +19,8 @@ import torch
 
 from megatron.analysis import forking
 from megatron.analysis.accumulators import Stats
-from megatron.analysis.hifp8 import add_grid_histogram, hifp8_scale_exponent, hifp8_seen_by_grid
+from megatron.analysis.hifp8 import (add_cast_histogram, add_grid_histogram, hifp8_scale_exponent,
+                                    hifp8_seen_by_grid)
 from megatron.analysis.loading import (Entry, UnreadableRecord, check_record, finite_or_none,
                                       load_record)
 from megatron.analysis.progress import Progress
@@ -120,6 +121,7 @@ def summarize_entry(entry: Entry, result: BatchResult, use_tensors: bool = True)
             return
         del record
         add_grid_histogram(stats, fmt, k)
+        add_cast_histogram(stats, fmt, k)
         result.seconds_compute += time.perf_counter() - t1
         result.bytes += entry.bytes or _file_size(entry.path)
     else:
