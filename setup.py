@@ -30,6 +30,8 @@ setup(
         "PyYAML",
     ],
     extras_require={
-        "test": ["pytest", "ml_dtypes", "en_dtypes", "torchao", "psutil"],
+        # safetensors: tools/convert_hf.py; transformers: its tests (HF reference models).
+        "test": ["pytest", "ml_dtypes", "en_dtypes", "torchao", "psutil", "safetensors==0.8.0",
+                 "transformers==5.24.0"],
     },
 )

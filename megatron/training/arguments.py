@@ -5,9 +5,11 @@ Each group is one function `_add_<group>_args(parser) -> parser`; a new group (q
 tensor capture, ...) is added by writing one such function and listing it in `ARGUMENT_GROUPS`.
 
 `parse_args` applies a `--model-preset` underneath the command line: preset values replace the
-built-in defaults, and any flag given explicitly still wins. `validate_args` derives the
-remaining values (data-parallel size, padded sizes, defaults that depend on other flags) and
-rejects impossible combinations with a message that names the flags involved.
+built-in defaults, and any flag given explicitly still wins. With --load, the model arguments
+the checkpoint recorded go beneath both (model_args.py), so a checkpoint loads without model
+flags. `validate_args` derives the remaining values (data-parallel size, padded sizes,
+defaults that depend on other flags) and rejects impossible combinations with a message that
+names the flags involved.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Callable, Iterable, List, Optional
 from megatron.training.capture_arguments import add_tensor_args, validate_tensor_args
 from megatron.training.errors import ConfigError
 from megatron.training.memory_arguments import add_memory_args, validate_memory_args
+from megatron.training.model_args import (
+    MODEL_SHAPE_ARGS, differing_model_args, recorded_model_args, take_model_args)
 from megatron.training.presets import MODEL_PRESETS, preset_defaults
 from megatron.training.quant_arguments import add_quantization_args, validate_quantization_args
 from megatron.training.tokenizer import add_tokenizer_args
@@ -407,19 +411,72 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[Iterable[str]] = None, extra_args_provider=None,
                ignore_unknown_args: bool = False) -> argparse.Namespace:
-    """Parse `argv` (default sys.argv[1:]) with any --model-preset applied beneath the flags."""
+    """Parse `argv` (default sys.argv[1:]) with any --model-preset applied beneath the flags,
+    and with --load, the checkpoint's model arguments beneath both (model_args.py)."""
     argv = None if argv is None else list(argv)
     parser = build_parser(extra_args_provider)
     known, _ = parser.parse_known_args(argv)
-    if known.model_preset is not None:
-        parser.set_defaults(**preset_defaults(known.model_preset))
+    preset = preset_defaults(known.model_preset) if known.model_preset is not None else {}
+    parser.set_defaults(**preset)
     if ignore_unknown_args:
         args, _ = parser.parse_known_args(argv)
     else:
         args = parser.parse_args(argv)
     args.rank = int(os.getenv("RANK", "0"))
     args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+    if args.load:
+        recorded = recorded_model_args(args.load)
+        if recorded is not None:
+            _take_checkpoint_model_args(parser, args, recorded,
+                                        _given_dests(extra_args_provider, argv) | set(preset))
     return args
+
+
+_UNSET = object()
+
+
+def _given_dests(extra_args_provider, argv) -> set:
+    """The dests set by the command line itself (not by defaults or a preset): argparse only
+    fills in defaults for the dests a namespace does not hold yet."""
+    probe = build_parser(extra_args_provider)
+    unset = argparse.Namespace(**{dest: _UNSET for dest in vars(probe.parse_known_args([])[0])})
+    parsed, _ = probe.parse_known_args(argv, namespace=unset)
+    return {dest for dest, value in vars(parsed).items() if value is not _UNSET}
+
+
+def _flag_text(parser, dest: str, value) -> str:
+    """`dest = value` as the command line says it: '--hidden-size 64', '--swiglu',
+    '--disable-bias-linear'."""
+    action = next(a for a in parser._actions if a.dest == dest and a.option_strings)
+    flag = action.option_strings[0]
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return flag if value != action.default else f"no {flag}"
+    if isinstance(value, list):
+        value = "[" + ",".join(map(str, value)) + "]"
+    return f"{flag} {value}"
+
+
+def _take_checkpoint_model_args(parser, args, recorded, keep: set) -> None:
+    """Model flags given neither on the command line nor by --model-preset take the values
+    the checkpoint recorded; one note lists those that differ from the defaults, one warning
+    the given ones that differ from the checkpoint without changing its shapes (shape
+    differences stop the load: checkpointing.check_model_shape)."""
+    taken = take_model_args(args, recorded, keep)
+    contradicted = [name for name in differing_model_args(args, recorded, keep)
+                    if name not in MODEL_SHAPE_ARGS]
+    if args.rank != 0:
+        return
+    defaults = vars(build_parser().parse_known_args([])[0])
+    shown = [name for name in taken if getattr(args, name) != defaults.get(name)]
+    if shown:
+        print(f"note: --load {args.load}: model flags from its checkpoint: "
+              + " ".join(_flag_text(parser, n, getattr(args, n)) for n in shown)
+              + " (flags given on the command line or by --model-preset win)", flush=True)
+    if contradicted:
+        print(f"warning: --load {args.load}: model flags that differ from its checkpoint: "
+              + "; ".join(f"{_flag_text(parser, n, getattr(args, n))} (checkpoint: "
+                          f"{_flag_text(parser, n, recorded[n])})" for n in contradicted),
+              flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

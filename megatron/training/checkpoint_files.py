@@ -30,6 +30,7 @@ import torch
 
 from megatron.training.errors import ConfigError
 
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
 REQUIRED_FILES = ("metadata.json", COMMON_FILE, METADATA_FILE)
@@ -57,6 +58,11 @@ ALLOWED_GLOBALS = {
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
 }
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """The directory of iteration `iteration`'s checkpoint in a --save/--load directory."""
+    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -15,7 +15,10 @@ A run killed at any moment therefore leaves the tracker pointing at a complete, 
 checkpoint; the `.incomplete*` directories of dead runs are removed by the next save of the
 lock holder, and a save that fails (a full disk, ...) removes its own before it reports one
 line (CheckpointSaveError). The common state records the model shape, so `--load` of a
-checkpoint made with another shape stops before training with the differing flags named.
+checkpoint made with another shape stops before training with the differing flags named, and
+the model arguments (model_args.py), which `--load` takes as the defaults of the model flags.
+A weights-only checkpoint (an imported one, hf_llama.py) holds no optimizer, scheduler or RNG
+state: `--load` starts them afresh and says so.
 
 `--load` verifies the checkpoint before anything is built: structure (checkpoint_files.py),
 no `iter_*` entry resolving outside the --load directory, and the checksums (hashing shared
@@ -46,11 +49,12 @@ from megatron.quantization.delayed_scaling import histories_state, load_historie
 
 from megatron.training import run_lock
 from megatron.training.checkpoint_files import (
-    CHECKSUMS_FILE, CHECKSUMS_KEY, check_files, digest_files, first_line, list_files,
-    read_checksums, verify_checkpoint, write_checksums)
+    CHECKSUMS_FILE, CHECKSUMS_KEY, TRACKER_FILE, check_files, checkpoint_dir, digest_files,
+    first_line, list_files, read_checksums, verify_checkpoint, write_checksums)
 from megatron.training.errors import ConfigError, TrainingError
+from megatron.training.model_args import (
+    HF_CONFIG_KEY, MODEL_ARGS_KEY, MODEL_SHAPE_ARGS, TOKENIZER_VOCAB_KEY, model_args, model_shape)
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 1
 INCOMPLETE = ".incomplete"
 # Every directory a save may leave behind when its process dies: the legacy shared name
@@ -65,19 +69,10 @@ _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 class CheckpointSaveError(TrainingError):
     """A save that failed; its partial directory is gone, the previous checkpoint intact."""
 
-# Args that determine parameter shapes; a checkpoint only loads into the same values.
-MODEL_SHAPE_ARGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "padded_vocab_size", "normalization", "swiglu", "add_bias_linear",
-    "untie_embeddings_and_output_weights", "position_embedding_type", "qk_layernorm",
-    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-    "v_head_dim", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-    "moe_layer_freq",
-)
 
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+# The common-state key of a checkpoint that holds the model alone (an imported one): no
+# optimizer, scheduler, RNG or delayed-scaling state; --load starts those afresh.
+WEIGHTS_ONLY_KEY = "weights_only"
 
 
 def read_tracker(root: str) -> Optional[int]:
@@ -99,10 +94,6 @@ def _write_tracker(root: str, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, TRACKER_FILE))
-
-
-def model_shape(args) -> dict:
-    return {name: getattr(args, name, None) for name in MODEL_SHAPE_ARGS}
 
 
 def _rng_state() -> dict:
@@ -174,7 +165,8 @@ def _read_error(exc: BaseException) -> str:
 
 
 def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples,
-                        is_loading=False, load_histories=True, checksummed=False):
+                        is_loading=False, load_histories=True, checksummed=False,
+                        weights_only=False):
     model_sd = model.sharded_state_dict()
     state = {
         "model": model_sd,
@@ -182,11 +174,18 @@ def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_s
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
         "model_shape": model_shape(args),
+        MODEL_ARGS_KEY: model_args(args),
+        TOKENIZER_VOCAB_KEY: getattr(args, "tokenizer_vocab_size", None),
         "parallel_layout": _parallel_layout(),
     }
+    if getattr(args, "hf_config", None) is not None:
+        state[HF_CONFIG_KEY] = args.hf_config
     if checksummed:
         # A checkpoint that says so cannot lose its checksums.json unnoticed.
         state[CHECKSUMS_KEY] = CHECKSUMS_FILE
+    if weights_only:
+        state[WEIGHTS_ONLY_KEY] = True
+        return state
     if not (is_loading and args.no_load_rng):
         state["rng_state"] = _rng_sharded_object(None if is_loading else _rng_state())
     if _uses_delayed_scaling(model) and load_histories:
@@ -420,8 +419,12 @@ def _commit(root: str, tmp: str, final: str, iteration: int,
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args,
-                    consumed_samples: int, log=print, checksums: Optional[bool] = None) -> str:
+                    consumed_samples: int, log=print, checksums: Optional[bool] = None,
+                    weights_only: bool = False) -> str:
     """Save atomically; every rank calls this. Returns the checkpoint directory.
+
+    `weights_only`: the model alone (an imported checkpoint; `optimizer` and `scheduler` are
+    then unused), marked so that --load starts the rest afresh.
 
     Raises CheckpointSaveError (one line, the same on every rank) when the save fails; the
     partial directory is removed first and the tracker still names the previous checkpoint.
@@ -445,8 +448,9 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
         os.makedirs(tmp)
 
     def write():
-        state = _sharded_state_dict(model, optimizer, scheduler, args, iteration,
-                                    consumed_samples, checksummed=checksums)
+        state = _sharded_state_dict(model, None if weights_only else optimizer, scheduler,
+                                    args, iteration, consumed_samples, checksummed=checksums,
+                                    weights_only=weights_only)
         writer_log = logging.getLogger(_WRITER_LOGGER)
         writer_log.addFilter(_drop_writer_error)
         try:
@@ -482,12 +486,20 @@ def check_model_shape(load_dir: str, ckpt_dir: str, args) -> None:
     restored) its parallel layout, differs from this run's."""
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
     saved_layout, layout = common.get("parallel_layout"), _parallel_layout()
-    if not args.no_load_rng and saved_layout is not None and list(saved_layout) != layout:
+    if not args.no_load_rng and not common.get(WEIGHTS_ONLY_KEY) and saved_layout is not None \
+            and list(saved_layout) != layout:
         sizes = "PP/TP/DP {}/{}/{}"
         raise ConfigError(
             f"--load {load_dir}: checkpoint saved with {sizes.format(*saved_layout)}, this run "
             f"has {sizes.format(*layout)}; its RNG states belong to the saved ranks: "
             "add --no-load-rng to load the weights into this layout")
+    saved_vocab = common.get(TOKENIZER_VOCAB_KEY)
+    vocab = getattr(args, "tokenizer_vocab_size", None)
+    if saved_vocab is not None and vocab is not None and saved_vocab != vocab:
+        raise ConfigError(
+            f"--load {load_dir}: checkpoint made for a tokenizer of {saved_vocab} entries, "
+            f"--tokenizer-type {args.tokenizer_type} has {vocab}; pass the checkpoint's "
+            "tokenizer (--tokenizer-type, --tokenizer-model, --vocab-size)")
     saved = common.get("model_shape", {})
     current = model_shape(args)
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {current[k]} (this run)"
@@ -663,7 +675,15 @@ def load_checkpoint(root: str, found: Optional[Tuple[int, str]], model, optimize
         return 0, 0
     iteration, ckpt = found
     check_model_shape(root, ckpt, args)
-    use_optim = optimizer is not None and not args.no_load_optim
+    common = dist_checkpointing.load_common_state_dict(ckpt)
+    if common.get(HF_CONFIG_KEY) is not None:
+        args.hf_config = common[HF_CONFIG_KEY]      # kept by this run's saves
+    weights_only = bool(common.get(WEIGHTS_ONLY_KEY))
+    if weights_only and optimizer is not None:
+        log(f"note: --load {root}: {os.path.basename(ckpt)} holds the model weights only (no "
+            "optimizer, scheduler or RNG state): the optimizer and learning-rate schedule "
+            f"start afresh, the RNG from --seed {args.seed}")
+    use_optim = optimizer is not None and not args.no_load_optim and not weights_only
     if use_optim:
         with torch.no_grad():
             # The torch-AdamW fallback has no state before its first step; the distributed
@@ -674,14 +694,14 @@ def load_checkpoint(root: str, found: Optional[Tuple[int, str]], model, optimize
                     init()
     # Delayed-scaling histories are restored when the checkpoint has them in this layout
     # (a checkpoint of another scheme or layout starts them afresh, as a new run does).
-    common = dist_checkpointing.load_common_state_dict(ckpt)
     histories = (_uses_delayed_scaling(model) and common.get("has_amax_histories", False)
                  and list(common.get("parallel_layout") or []) == _parallel_layout())
     if _uses_delayed_scaling(model) and not histories:
         log("note: the checkpoint has no delayed-scaling amax histories for this layout: they "
             "start afresh (initial scale 1.0)")
     state = _sharded_state_dict(model, optimizer if use_optim else None, scheduler, args,
-                                iteration, 0, is_loading=True, load_histories=histories)
+                                iteration, 0, is_loading=True, load_histories=histories,
+                                weights_only=weights_only)
     try:
         loaded = dist_checkpointing.load(state, ckpt)
     except _READ_ERRORS as exc:
@@ -696,7 +716,7 @@ def load_checkpoint(root: str, found: Optional[Tuple[int, str]], model, optimize
             optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if not args.no_load_rng:
+    if not args.no_load_rng and not weights_only:
         _set_rng_state(loaded["rng_state"])
     if histories:
         load_histories_state(_model_sites(model), loaded["amax_histories"], _device_of(model))

@@ -520,6 +520,7 @@ def pretrain_with_args(forward_step_func, args, callbacks: Sequence[TrainingCall
 def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_time: float):
     set_random_seeds(args.seed)
     tokenizer = build_tokenizer(args)
+    args.tokenizer_vocab_size = tokenizer.vocab_size     # recorded in checkpoints
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     print_rank_0(format_args(args))
