@@ -179,3 +179,26 @@ def test_a_directory_without_checkpoint_is_one_line(tmp_path, capsys):
                           "--schemes", "bf16", *TINY_MOCK_ARGS, *TRAIN])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "no checkpoint" in err and "\n" not in err
+
+
+def test_load_hf_imports_once_and_dumps_transformers_logits(tmp_path, capsys):
+    """--load-hf: the HF directory is imported into OUT/hf_checkpoint (reused the next time),
+    and the dumped logits are transformers' own forward of the dumped tokens (fp32)."""
+    import torch
+    from test_convert_hf import TOKENIZER, _hf_config, _hf_logits, _hf_model
+
+    model = _hf_model(_hf_config(tied=False), 5)
+    model.save_pretrained(str(tmp_path / "hf"))
+    argv = ["--load-hf", str(tmp_path / "hf"), "--output-dir", str(tmp_path / "out"),
+            "--schemes", "bf16", "linear_mxfp4", "--mock-data", *TOKENIZER,
+            "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--eval-iters", "1", "--dump-logits", str(tmp_path / "logits.npz")]
+    assert evaluate_main(argv) == 0
+    dump = np.load(tmp_path / "logits.npz")
+    expected = _hf_logits(model, torch.from_numpy(dump["tokens"])).numpy()
+    assert dump["logits"].shape == expected.shape
+    scale = np.abs(expected).max()
+    assert np.abs(dump["logits"] - expected).max() <= 1e-4 * scale
+    assert "importing" in capsys.readouterr().out
+    assert evaluate_main(argv) == 0
+    assert "reusing" in capsys.readouterr().out
