@@ -202,3 +202,34 @@ def test_load_hf_imports_once_and_dumps_transformers_logits(tmp_path, capsys):
     assert "importing" in capsys.readouterr().out
     assert evaluate_main(argv) == 0
     assert "reusing" in capsys.readouterr().out
+
+
+def test_two_data_parallel_ranks_give_the_single_process_numbers(trained, evaluated, tmp_path):
+    """Under torchrun each rank evaluates its share of the sequences and rank 0 gathers them:
+    the same sequences in the same micro-batches as one process, so the same numbers (to the
+    summation order of threads: each rank runs one thread)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+    from test_distributed import _free_port
+
+    ckpt, _ = trained
+    _, single = evaluated
+    out = tmp_path / "dp2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), os.path.join(REPO_ROOT, "tools", "evaluate.py"),
+           "--load", ckpt, "--output-dir", str(out), "--schemes", "bf16", "linear_mxfp4",
+           *TINY_MOCK_ARGS, *TRAIN]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out / "evaluation.json") as f:
+        doc = json.load(f)
+    assert doc["sequences"] == single["sequences"] and doc["tokens"] == single["tokens"]
+    for label in ("bf16", "linear_mxfp4"):
+        assert doc["schemes"][label]["loss"] == pytest.approx(single["schemes"][label]["loss"],
+                                                             rel=1e-6)
+    d2, d1 = (d["schemes"]["linear_mxfp4"]["delta_vs_baseline"] for d in (doc, single))
+    assert d2["ci95"] == pytest.approx(d1["ci95"], rel=1e-3, abs=1e-7)
