@@ -53,8 +53,15 @@ def initialize_distributed(args) -> None:
         )
 
 
+PIPELINE_SEED_STRIDE = 100
+
+
 def set_random_seeds(seed: int) -> None:
-    """Seed python, numpy and torch; the tensor-parallel tracker gets megatron's offsets."""
+    """Seed python, numpy and torch as Megatron-LM does: pipeline stage p uses seed + 100 p
+    (its layers are initialised, and its dropout drawn, from streams of its own); the
+    tensor-parallel tracker then adds megatron-core's tensor/expert-parallel offsets."""
+    if parallel_state.model_parallel_is_initialized():
+        seed += PIPELINE_SEED_STRIDE * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
