@@ -11,7 +11,7 @@ export PYTHONPATH := $(CURDIR)
 
 STUDY_DIR ?= runs/study
 
-.PHONY: install data data-dolma data-bpe demo study probe test bench clean help
+.PHONY: install data data-dolma data-bpe demo study probe test gpu-check bench clean help
 
 help:
 	@echo "make demo        train llama-tiny on the embedded Wikipedia data (CPU) and write a report"
@@ -22,6 +22,8 @@ help:
 	@echo "make data-bpe    the wikipedia data re-tokenized with an 8k BPE trained on it"
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
+	@echo "make gpu-check   on a GPU node: the CUDA tests, then bf16 vs simulated-scheme throughput"
+	@echo "                 (tokens/s, ms/iteration, peak memory; eager and fused)"
 	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis, attention,"
 	@echo "                 telemetry, tokens/s, capture kills)"
 	@echo "make install     create $(VENV) and install the CPU stack"
@@ -56,6 +58,11 @@ probe: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The CPU suite hides GPUs from itself (tests/conftest.py); this runs the CUDA tests on them.
+gpu-check: install
+	MEGATRON_LOWP_GPU_TESTS=1 $(PY) -m pytest -q tests/test_cuda.py tests/test_cuda_capture_new_formats.py
+	$(PY) benchmarks/gpu_throughput.py
 
 bench: install
 	$(PY) benchmarks/quantize.py

@@ -11,6 +11,14 @@ if REPO_ROOT not in sys.path:
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
+# The CPU suite runs on the CPU even on a GPU node (its multi-rank tests put several ranks on
+# one machine, and its exact expectations are CPU ones): it hides the GPUs from itself, before
+# anything initialises CUDA. `make gpu-check` sets MEGATRON_LOWP_GPU_TESTS=1 and runs the
+# CUDA tests (tests/test_cuda*.py) on the device.
+GPU_TESTS = os.environ.get("MEGATRON_LOWP_GPU_TESTS") == "1"
+if not GPU_TESTS:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 def pytest_sessionfinish(session, exitstatus):
     # Megatron-LM convention: "no tests collected" (5) is not a failure of the suite.

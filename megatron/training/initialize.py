@@ -12,12 +12,25 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron.training.cpu_compat import apply_compat_patches
+from megatron.training.errors import ConfigError
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_ranks_fit_gpus() -> None:
+    """One rank per GPU: more ranks on this node than visible GPUs would share devices (and
+    NCCL refuses two ranks on one GPU with an obscure error): stop with one line instead."""
+    local = int(os.getenv("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        raise ConfigError(f"{local} ranks on this node (torchrun --nproc-per-node) but {gpus} "
+                          f"visible GPU(s) (CUDA_VISIBLE_DEVICES="
+                          f"{os.getenv('CUDA_VISIBLE_DEVICES', 'unset')}): launch at most "
+                          f"{gpus} rank(s) per node")
 
 
 def initialize_distributed(args) -> None:
@@ -27,6 +40,8 @@ def initialize_distributed(args) -> None:
     """
     apply_compat_patches()
     use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        check_ranks_fit_gpus()
     backend = args.distributed_backend or ("nccl" if use_cuda else "gloo")
     if use_cuda:
         local_rank = int(os.getenv("LOCAL_RANK", "0"))
