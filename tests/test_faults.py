@@ -6,6 +6,21 @@ is built, 1 for a capture failure during training), never in a traceback, and a 
 never runs its code. The full disk is a byte budget (tests/fakedisk.py): it behaves like a
 small file system (short writes, ENOSPC, torch's "unexpected pos"), needs no root, and runs
 anywhere.
+
+The fault cases of one subject live beside this file:
+- test_faults_checkpoints.py: one run per --save directory (a second run refused, the first's
+  checkpoints intact and loadable; a lock left by a dead run, or by a writer it forked, taken),
+  stale and failed saves cleaned, checksums (zeroed and flipped shard bytes: one line, no
+  training; the fallback), symlinks out of --load, a full disk while saving;
+- test_faults_data.py: every kind of bad .idx entry, token ids outside the vocabulary (sidecar
+  and scan), tokenizer mismatches, preprocessing's dtype and out-of-vocabulary lines;
+- test_faults_logging.py: TensorBoard failing or out of space mid-run, W&B failing: one warning,
+  training goes on;
+- test_analysis_bad_input.py / test_analysis_manifest_fuzz.py: the stride-0 (non-dense) record,
+  shape and dtype mismatches, labels with "$", malformed manifests;
+- test_study.py: a study's SIGTERM ends its trainings (no child left) and says how to resume;
+- here: tampered and damaged checkpoints, a full disk under capture, damaged data, divergence and
+  memory errors.
 """
 
 import json
