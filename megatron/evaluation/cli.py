@@ -60,11 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradients", action="store_true",
                    help="Gradient fidelity of every arm versus the baseline arm and the fp32 "
                         "unquantized model (cosine, relative L2, per site and in total); arms "
-                        "with stochastic rounding also average K draws. Holds float64 copies "
-                        "of the gradients: for small models.")
+                        "with stochastic rounding also average K draws. One process; holds "
+                        "float64 copies of the gradients: for small models.")
     p.add_argument("--gradient-micro-batches", type=int, default=2, metavar="N",
-                   help="Micro-batches whose summed gradient is compared (default: "
-                        "%(default)s; the first N of the evaluation batches).")
+                   help="Micro-batches whose gradients are compared, each one's and their "
+                        "token-weighted mean (default: %(default)s; the first N evaluation "
+                        "micro-batches).")
     p.add_argument("--gradient-draws", type=int, nargs="+", default=list(DEFAULT_DRAW_COUNTS),
                    metavar="K", help="Draw counts K at which the mean of K stochastic-rounding "
                                      "gradients is compared (default: %(default)s).")
