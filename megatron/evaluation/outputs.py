@@ -134,23 +134,30 @@ def sweep_figure(sweep: dict, path: str) -> bool:
     layers = sorted({r["layer"] for r in sweep["sites"] if r["layer"] is not None})
     labels = list(dict.fromkeys(r["site"] for r in sweep["sites"] if r["layer"] is not None))
     grid = np.full((len(layers), len(labels)), np.nan)
+    resolved = np.zeros(grid.shape, dtype=bool)
     for r in sweep["sites"]:
         if r["layer"] is not None:
-            grid[layers.index(r["layer"]), labels.index(r["site"])] = r["delta"]["mean"]
+            at = layers.index(r["layer"]), labels.index(r["site"])
+            grid[at] = r["delta"]["mean"] * 1e3
+            lo, hi = r["delta"]["ci95"]
+            resolved[at] = lo > 0 or hi < 0
     output = [r for r in sweep["sites"] if r["layer"] is None]
-    fig, ax = plt.subplots(figsize=(1.1 * len(labels) + 2.5, 0.55 * len(layers) + 1.8), dpi=120)
+    fig, ax = plt.subplots(figsize=(1.1 * len(labels) + 2.8, 0.55 * len(layers) + 2.0), dpi=120)
     bound = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
     im = ax.imshow(grid, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
     for (i, j), v in np.ndenumerate(grid):
         if np.isfinite(v):
-            ax.text(j, i, f"{v * 1e3:+.2f}", ha="center", va="center", fontsize=9)
+            color = "white" if abs(v) > 0.6 * bound else "black" if resolved[i, j] else "#777777"
+            ax.text(j, i, f"{v:+.2f}", ha="center", va="center", fontsize=9, color=color,
+                    fontweight="bold" if resolved[i, j] else "normal")
     ax.set_xticks(range(len(labels)), labels, fontsize=10)
     ax.set_yticks(range(len(layers)), [f"layer {n}" for n in layers], fontsize=10)
-    title = f"Loss increase x 1e3 (nats/token), one site in {sweep['scheme']}"
+    title = (f"Loss increase (1e-3 nats/token), one site at a time in\n{sweep['scheme']}; "
+             "grey: 95% CI includes 0")
     if output:
         title += f"\noutput layer: {output[0]['delta']['mean'] * 1e3:+.2f}"
     ax.set_title(title, fontsize=10)
-    fig.colorbar(im, ax=ax, label="delta (nats/token)")
+    fig.colorbar(im, ax=ax, label="loss increase (1e-3 nats/token)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
