@@ -170,6 +170,48 @@ def test_a_lock_left_by_a_dead_run_is_taken(tmp_path, capsys):
     assert json.load(open(os.path.join(save, LOCK_FILE)))["pid"] == os.getpid()
 
 
+# A holder that forks a child which outlives it, as megatron-core's checkpoint writer
+# processes (forked during every save) do when the run is killed mid-save.
+HOLD_LOCK_AND_FORK = """
+import os, sys, time
+from megatron.training.run_lock import acquire
+lock = acquire(sys.argv[1], command="holder-of-the-lock --save " + sys.argv[1])
+child = os.fork()
+if child == 0:
+    time.sleep(600)
+    os._exit(0)
+with open(sys.argv[2] + ".tmp", "w") as f:
+    f.write(str(child))
+os.rename(sys.argv[2] + ".tmp", sys.argv[2])
+time.sleep(600)
+"""
+
+
+def test_a_lock_dies_with_its_holder_even_when_a_forked_child_lives_on(tmp_path, capsys):
+    save = str(tmp_path / "ckpt")
+    ready = str(tmp_path / "ready")
+    holder = spawn(HOLD_LOCK_AND_FORK, tmp_path / "hold_lock_and_fork.py", save, ready)
+    try:
+        wait_for(ready, holder, timeout=60)
+        child = int(open(ready).read())
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)         # (its pipes stay open in the child: no communicate)
+        os.kill(child, 0)               # the child lives on
+        code, out, err = train(capsys, "--train-iters", "1", "--save", save)
+        assert code == 0 and "saved checkpoint at iteration 1" in out, err
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=60)
+        if os.path.exists(ready):
+            try:
+                os.kill(int(open(ready).read()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        holder.stdout.close()
+        holder.stderr.close()
+
+
 def test_stale_incomplete_directories_are_removed_at_the_next_save(checkpoint, capsys):
     root, _ = checkpoint
     stale = ["iter_0000003.incomplete", "iter_0000003.incomplete.4242-abcdef"]

@@ -7,6 +7,13 @@ pid, start time and command into the file, so that a refused run can name it:
 
     --save DIR is in use by another run (pid P on HOST since T: CMD); ...
 
+A process forked by the holder (megatron-core's checkpoint writers fork one process per file
+they write) shares the lock's open file description, and a flock lasts until the last
+descriptor of it is closed: a writer left behind by a holder killed mid-save would keep the
+directory locked in the name of a dead run. Every forked child therefore closes its copies of
+the held locks' descriptors as it starts (os.register_at_fork), so the lock dies with its
+holder.
+
 flock is advisory and per host on file systems without lock support across clients (most
 network file systems support it; some FUSE mounts do not): it keeps out every run of this
 program on the same host, and on shared file systems with working locks, every run anywhere.
@@ -29,6 +36,9 @@ from megatron.training.errors import ConfigError
 
 LOCK_FILE = ".lock"
 
+# The locks this process holds (their descriptors are closed in forked children).
+_held: "set[RunLock]" = set()
+
 
 class RunLock:
     """A held lock: `release()` (or the process's end) gives it back."""
@@ -37,6 +47,7 @@ class RunLock:
         self.directory = directory
         self.path = os.path.join(directory, LOCK_FILE)
         self._fd: Optional[int] = fd
+        _held.add(self)
 
     @property
     def held(self) -> bool:
@@ -46,12 +57,32 @@ class RunLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        _held.discard(self)
         try:
             # LOCK_UN, not just close: a forked child (data loader, checkpoint writer) that
             # inherited the descriptor would otherwise keep the lock alive.
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close this copy of the descriptor without unlocking (LOCK_UN
+        would release the parent's lock; a plain close leaves it to the parent)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _close_held_locks_in_child() -> None:
+    for lock in list(_held):
+        lock._forget_in_child()
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_locks_in_child)
 
 
 def holder_record(command: Optional[str] = None) -> dict:
