@@ -31,7 +31,10 @@ setup(
     ],
     extras_require={
         # safetensors: tools/convert_hf.py; transformers: its tests (HF reference models).
+        # triton: the fused quantization kernels (run under its CPU interpreter in the tests).
         "test": ["pytest", "ml_dtypes", "en_dtypes", "torchao", "psutil", "safetensors==0.8.0",
-                 "transformers==5.24.0"],
+                 "transformers==5.24.0", "triton"],
+        # The fused Triton quantize-dequantize kernels for CUDA tensors (--quant-kernels).
+        "gpu": ["triton"],
     },
 )

@@ -13,6 +13,14 @@ quantize-dequantize for the same format where it has one:
                              prototype/blockwise_fp8_training, loaded from its source because
                              that module imports triton) + q * scale_inv
 
+With --device cuda (the default when CUDA is present) the tensors live on the GPU and a
+"triton" column times the fused Triton kernel of megatron.quantization.kernels for the
+formats it covers (MX, HiFP8, NVFP4; NVFP4's time includes the eager 0-d tensor-scale ops),
+with its effective bandwidth (one read and one write per element) in GB/s and as a fraction
+of the device's peak memory bandwidth where that is known; the "eager" column is then
+fake_quantize with set_kernels("eager"). On a CPU the kernel column needs a GPU and is left
+out (a line says so).
+
 Ratios are to clone(); "ao/eager" is torchao's time over ours. Formats: MXFP8 (E4M3, E5M2),
 MXFP4, HiFP8, NVFP4, MXFP6 (E2M3, E3M2), FP8 E4M3 with per-tensor current scaling and with
 1x128 blockwise scaling. A format whose fake_quantize (or a torchao equivalent) raises on a
@@ -34,7 +42,7 @@ memory is reused, the steady state of a training loop with a caching allocator, 
 costs about as much as copy_().
 
     python benchmarks/quantize.py [--size 4096] [--repeats 12] [--compile] [--threads N]
-                                  [--malloc {default,reuse}]
+                                  [--malloc {default,reuse}] [--device {cpu,cuda}]
 """
 
 from __future__ import annotations
@@ -52,7 +60,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.quantization.formats import fake_quantize, fake_quantize_compiled  # noqa: E402
+from megatron.quantization import kernels  # noqa: E402
+from megatron.quantization.formats import (  # noqa: E402
+    fake_quantize, fake_quantize_compiled, format_info, set_kernels)
 
 # label: (format, fake_quantize options)
 CASES = {
@@ -72,6 +82,40 @@ TORCHAO_SPEEDUP_TARGET = 2.0       # MXFP8 must be at least this much faster tha
 TORCHAO_MX_DTYPES = {"mxfp8_e4m3": "float8_e4m3fn", "mxfp8_e5m2": "float8_e5m2",
                      "mxfp4": "float4_e2m1fn_x2", "mxfp6_e2m3": "fp6_e2m3",
                      "mxfp6_e3m2": "fp6_e3m2"}
+
+
+# Peak memory bandwidth (GB/s) by device name, for the kernel column's fraction.
+PEAK_BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 NVL": 3900,
+                      "H100 PCIe": 2000, "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935,
+                      "A100-SXM4-40GB": 1555, "A100-PCIE-40GB": 1555, "L40S": 864,
+                      "RTX 4090": 1008, "B200": 8000, "GB200": 8000}
+
+
+def peak_bandwidth_gbs(device: torch.device):
+    """The device's peak memory bandwidth in GB/s, where its name is in the table."""
+    name = torch.cuda.get_device_name(device)
+    for key, gbs in PEAK_BANDWIDTH_GBS.items():
+        if key in name:
+            return gbs
+    return None
+
+
+def triton_candidates(device: torch.device) -> dict:
+    """{label: fused Triton quantize-dequantize} for the formats the kernels cover, on CUDA."""
+    if device.type != "cuda":
+        print("triton kernel: needs a CUDA device (the kernel column is left out on the CPU)")
+        return {}
+    if not kernels.triton_available():
+        print("triton kernel: not available: triton is not importable")
+        return {}
+    found = {}
+    for label, (fmt, options) in CASES.items():
+        kind = format_info(fmt).kind
+        if options or kernels.unsupported_reason(kind, fmt, torch.float32, "nearest"):
+            continue
+        found[label] = lambda t, f=fmt, k=kind: kernels.fake_quantize(
+            t, f, k, t.dim() - 1, "floor", False, None, None)
+    return found
 
 
 def _reason(exc: BaseException) -> str:
@@ -171,35 +215,45 @@ def available(probe: torch.Tensor, candidates: dict, prefix: str = "") -> dict:
     return ok
 
 
-def interleaved_ms(candidates: dict, repeats: int, passes: int = 3) -> dict:
+def interleaved_ms(candidates: dict, repeats: int, passes: int = 3,
+                   sync=lambda: None) -> dict:
     """Median wall time (ms) of each callable over `repeats` timed calls, split into `passes`
     interleaved runs, each run after one untimed warm-up call. Names starting with "torchao"
-    are slow and get a single call per pass."""
+    are slow and get a single call per pass. `sync` waits for the device (CUDA)."""
     per_pass = max(1, -(-repeats // passes))
     times = {name: [] for name in candidates}
     for _ in range(passes):
         for name, fn in candidates.items():
             fn()
+            sync()
             for _ in range(1 if name.startswith("torchao") else per_pass):
                 start = time.perf_counter()
                 fn()
+                sync()
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def run(size: int, repeats: int, compile_too: bool) -> list:
+def run(size: int, repeats: int, compile_too: bool, device: str = "cpu") -> list:
     torch.manual_seed(0)
+    device = torch.device(device)
+    set_kernels("eager")            # the "eager" column; the kernel has its own
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ao_all = torchao_candidates()
+    tri_all = triton_candidates(device)
+    peak = peak_bandwidth_gbs(device) if tri_all else None
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).replace("torch.", "")
-        x = torch.randn(size, size, dtype=dtype)
+        x = torch.randn(size, size, dtype=dtype, device=device)
         y = torch.empty_like(x)
         print(f"\n{name} [{size} x {size}]")
         ours = available(x, {label: (lambda t, f=f, o=o: fake_quantize(t, f, **o))
                              for label, (f, o) in CASES.items()})
         ao = available(x, {label: fn for label, fn in ao_all.items() if label in ours},
                        prefix="torchao ")
+        tri = available(x, {label: fn for label, fn in tri_all.items() if label in ours},
+                        prefix="triton ")
         candidates = {"clone": lambda: x.clone(), "copy_": lambda: y.copy_(x)}
         for label in ours:
             fmt, options = CASES[label]
@@ -209,12 +263,15 @@ def run(size: int, repeats: int, compile_too: bool) -> list:
                     lambda f=fmt, o=options: fake_quantize_compiled(x, f, **o)
             if label in ao:
                 candidates[f"torchao {label}"] = lambda fn=ao[label]: fn(x)
-        ms = interleaved_ms(candidates, repeats)
+            if label in tri:
+                candidates[f"triton {label}"] = lambda fn=tri[label]: fn(x)
+        ms = interleaved_ms(candidates, repeats, sync=sync)
         clone = ms["clone"]
         print(f"  clone {clone:8.2f} ms   copy_ {ms['copy_']:8.2f} ms")
         print(f"  {'format':<15} {'eager ms':>9} {'x clone':>8} {'target':>7}"
               + (f" {'compiled':>9} {'x clone':>8}" if compile_too else "")
-              + (f" {'torchao':>9} {'ao/eager':>9}" if ao_all else ""))
+              + (f" {'torchao':>9} {'ao/eager':>9}" if ao_all else "")
+              + (f" {'triton':>9} {'GB/s':>7} {'of peak':>7}" if tri_all else ""))
         for label in ours:
             eager = ms[f"eager {label}"]
             row = {"dtype": name, "format": label, "clone": clone, "copy": ms["copy_"],
@@ -230,6 +287,13 @@ def run(size: int, repeats: int, compile_too: bool) -> list:
                 line += f" {row['torchao']:9.2f} {row['torchao'] / eager:8.2f}x"
             elif ao_all:
                 line += f" {'-':>9} {'-':>9}"
+            if f"triton {label}" in ms:
+                row["triton"] = ms[f"triton {label}"]
+                row["triton_gbs"] = 2 * x.numel() * x.element_size() / row["triton"] / 1e6
+                line += f" {row['triton']:9.3f} {row['triton_gbs']:7.0f} " + (
+                    f"{row['triton_gbs'] / peak:6.0%}" if peak else f"{'-':>7}")
+            elif tri_all:
+                line += f" {'-':>9} {'-':>7} {'-':>7}"
             if target:
                 met = eager <= target * clone
                 if label.startswith("mxfp8") and "torchao" in row:
@@ -249,6 +313,10 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true",
                         help="also time fake_quantize_compiled (torch.compile, dynamic=True)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the tensors live (default: cuda when present); the "
+                             "Triton kernel column needs cuda")
     parser.add_argument("--malloc", choices=("default", "reuse"), default="default",
                         help="glibc allocator: as configured (default) or reusing freed memory")
     args = parser.parse_args(argv)
@@ -261,7 +329,11 @@ def main(argv=None):
         if not ok:
             parser.error("mallopt failed: --malloc reuse needs glibc")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, malloc {args.malloc}")
-    run(args.size, args.repeats, args.compile)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    print(f"device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
+    run(args.size, args.repeats, args.compile, args.device)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,40 @@ def test_fake_quantize_on_cuda_equals_cpu(fmt, dtype, scale_mode):
                        cuda.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
+@pytest.mark.parametrize("fmt", ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
+                                 "mxfp4", "nvfp4", "hifp8"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_triton_kernels_equal_eager_on_cuda(fmt, dtype, rounding):
+    """The fused Triton kernels (compiled for the GPU, not interpreted) give eager's bits."""
+    pytest.importorskip("triton")
+    from megatron.quantization import formats
+    if rounding == "stochastic" and fmt == "hifp8":
+        pytest.skip("hifp8 has no stochastic rounding")
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(96, 130, generator=g) * torch.logspace(-40, 37, 130)).to(dtype)
+    x[0, :6] = torch.tensor([0.0, -0.0, 1e-40, -1e-45, 3e38, 1e-30]).to(dtype)
+    x[1, 40], x[2, 70] = float("nan"), float("inf")
+    x = x.cuda()
+    results = {}
+    for mode in ("eager", "triton"):
+        formats.set_kernels(mode)
+        try:
+            options = {"saturate": True} if fmt == "hifp8" else {}
+            if rounding == "stochastic":
+                options.update(rounding="stochastic",
+                               generator=torch.Generator("cuda").manual_seed(3))
+            results[mode] = [fake_quantize(t, fmt, axis=axis, **options).cpu()
+                             for t, axis in ((x, -1), (x, 0), (x[:, 3:], -1), (x[:, 3:], 0))]
+        finally:
+            formats.set_kernels("auto")
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for eager, kernel in zip(results["eager"], results["triton"]):
+        assert torch.equal(eager.isnan(), kernel.isnan())
+        same = eager.view(bits) == kernel.view(bits)
+        assert (same | eager.isnan()).all(), (eager[~same][:8], kernel[~same][:8])
+
+
 @pytest.mark.parametrize("scheme_args", [["--quant-scheme", "bf16"],
                                          ["--quant-scheme", "FA_linear_mxfp8",
                                           "--attn-pv-quant", "mxfp8"]])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatron.quantization.formats import KERNEL_MODES
 from megatron.quantization.gemm import FP8_RECIPES, RHT_BLOCKS, Fp8Settings
 from megatron.quantization.recipes import RECIPE_NAMES, RECIPE_SOURCES, STOCHASTIC_ROUNDINGS
 from megatron.quantization.schemes import (
@@ -82,9 +83,18 @@ def add_quantization_args(parser):
                             "not quantized, exact linear-memory chunks when it is) or unfused "
                             "(megatron-core's full [b, heads, s, s] scores: the reference path, "
                             "O(s^2) memory; for checks and benchmarks).")
+    group.add_argument("--quant-kernels", type=str, default=None, choices=KERNEL_MODES,
+                       help="How fake quantization runs (bit for bit the same results in "
+                            "every mode): auto (default: fused Triton kernels for CUDA "
+                            "tensors where triton is installed and covers the call -- MX "
+                            "formats, HiFP8, NVFP4; fp32/bf16 operands -- eager PyTorch "
+                            "elsewhere), triton (the Triton kernels, an error for anything "
+                            "they do not cover), compile (torch.compile of the PyTorch "
+                            "code) or eager (plain PyTorch).")
     group.add_argument("--quant-compile", action="store_true",
-                       help="Run fake quantization through torch.compile (fused kernels; "
-                            "results are bit for bit those of eager mode).")
+                       help="Same as --quant-kernels compile: run fake quantization through "
+                            "torch.compile (fused kernels; results are bit for bit those of "
+                            "eager mode).")
     group.add_argument("--quant-stats-interval", type=int, default=0,
                        help="Every N iterations, measure each GEMM operand's quantization "
                             "(saturated %%, flushed %%, SQNR, relative error, amax, MX scale "
@@ -246,8 +256,21 @@ def _check_recompute(args, quant: QuantConfig) -> None:
                               "use --quant-stochastic-rounding grad")
 
 
+def _resolve_kernel_mode(args) -> None:
+    """args.quant_kernels from --quant-kernels / --quant-compile (its alias for compile);
+    args.quant_compile says whether that mode is compile."""
+    kernels = getattr(args, "quant_kernels", None)
+    compiled = getattr(args, "quant_compile", False)
+    if compiled and kernels not in (None, "compile"):
+        raise ConfigError(f"--quant-compile is --quant-kernels compile; it contradicts "
+                          f"--quant-kernels {kernels}")
+    args.quant_kernels = kernels or ("compile" if compiled else "auto")
+    args.quant_compile = args.quant_kernels == "compile"
+
+
 def validate_quantization_args(args):
     """Resolve the scheme (flag, else $CUSTOM_QUANT_TYPE, else bf16) into args.quant_config."""
+    _resolve_kernel_mode(args)
     if args.quant_stats_interval < 0:
         raise ConfigError(f"--quant-stats-interval {args.quant_stats_interval}: must be >= 0 "
                           "(0 = off, N = every N iterations)")

@@ -31,7 +31,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron.quantization import randomness
 from megatron.quantization.converter import describe_sites
-from megatron.quantization.formats import set_compile
+from megatron.quantization.formats import set_kernels
 from megatron.tensor_capture.callback import TensorCaptureCallback
 from megatron.training import checkpointing
 from megatron.training.arguments import format_args, parse_args, validate_args
@@ -524,7 +524,7 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     print_rank_0(format_args(args))
-    set_compile(args.quant_compile)
+    set_kernels(args.quant_kernels)
     if args.use_flash_attn:
         print_rank_0("note: --use-flash-attn: attention uses the fused kernel by itself "
                      "wherever nothing in attention is quantized")

@@ -44,9 +44,14 @@ HiFP8 (HiFloat8)
     overflow and +-Inf to +-32768 instead. `hifp8_scaled_fake_quantize` adds an optional
     per-tensor power-of-two scale.
 
-The code is pure, vectorised PyTorch and device agnostic. `set_compile(True)` (or calling
-`fake_quantize_compiled`) runs the same implementation through torch.compile; the eager
-default and the compiled variant give identical results.
+The code is pure, vectorised PyTorch and device agnostic. `set_kernels(mode)` picks how it
+runs: "auto" (the default) uses the fused Triton kernels of megatron.quantization.kernels for
+CUDA tensors when triton is importable and the call is one they cover (MX formats, HiFP8 and
+NVFP4 with 1-D blocks, either rounding; float32/bf16), eager PyTorch otherwise; "triton"
+insists on them (an error names what they do not cover; CPU tensors only under Triton's
+interpreter, TRITON_INTERPRET=1); "compile" runs this implementation through torch.compile
+(`set_compile(True)` and `fake_quantize_compiled` are the same); "eager" always runs it as
+is. Every mode gives the same bits (NaN payloads aside).
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ from megatron.quantization.formats.mx import (
     _mx_fake_quantize, mx_block_scales, mx_shared_exponents)
 from megatron.quantization.formats.nvfp4 import _nvfp4_fake_quantize, nvfp4_scales
 from megatron.quantization.formats.rounding import ROUNDINGS, _check_rounding, uniform_noise
+from megatron.quantization import kernels as _kernels
 
 __all__ = [
     "FORMAT_NAMES", "SCALE_MODES", "ROUNDINGS", "FP8_SCALINGS", "MX_BLOCK_SIZE",
@@ -83,6 +89,7 @@ __all__ = [
     "mx_block_scales", "nvfp4_scales", "fp8_scales", "fp8_amax", "FP8_BLOCKS", "random_hadamard_transform", "hadamard_sign_vector",
     "hifp8_scaled_fake_quantize",
     "hifp8_scale_exponent", "fake_quantize_compiled", "set_compile", "compile_enabled",
+    "KERNEL_MODES", "set_kernels", "kernels_mode",
 ]
 
 
@@ -122,17 +129,55 @@ def _pass_through(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.where(q.abs() > info.max_normal, q * math.inf, q)
 
 
-_COMPILE = False
+KERNEL_MODES = ("auto", "triton", "compile", "eager")
+_KERNELS = "auto"
+
+
+def set_kernels(mode: str = "auto") -> None:
+    """How fake_quantize runs (results are identical in every mode):
+
+    "auto"     the Triton kernels for CUDA tensors when triton is importable and they cover
+               the call (MX formats, HiFP8, NVFP4 without block_2d; float32/bf16), else
+               eager PyTorch;
+    "triton"   the Triton kernels, or a ValueError naming the format, option, dtype or
+               device they do not cover (CPU tensors need TRITON_INTERPRET=1);
+    "compile"  eager PyTorch through torch.compile;
+    "eager"    eager PyTorch.
+    """
+    global _KERNELS
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"unknown kernel mode {mode!r}; valid: {', '.join(KERNEL_MODES)}")
+    _KERNELS = mode
+
+
+def kernels_mode() -> str:
+    return _KERNELS
 
 
 def set_compile(enabled: bool = True) -> None:
-    """Route fake_quantize through torch.compile (off by default; results are identical)."""
-    global _COMPILE
-    _COMPILE = bool(enabled)
+    """Route fake_quantize through torch.compile (set_kernels("compile")); False restores
+    the default ("auto")."""
+    set_kernels("compile" if enabled else "auto")
 
 
 def compile_enabled() -> bool:
-    return _COMPILE
+    return _KERNELS == "compile"
+
+
+def _use_triton(x: torch.Tensor, fmt: str, kind: str, rounding: str, block_2d: bool) -> bool:
+    """Whether this call runs on the Triton kernels under the current kernel mode."""
+    if _KERNELS not in ("auto", "triton"):
+        return False
+    if _KERNELS == "auto" and x.device.type != "cuda":
+        return False
+    reason = (_kernels.unsupported_reason(kind, fmt, x.dtype, rounding, block_2d)
+              or _kernels.device_reason(x))
+    if reason is None:
+        return True
+    if _KERNELS == "triton":
+        raise ValueError(f"kernel mode 'triton' does not cover {reason}; use "
+                         "set_kernels('auto') to fall back to eager PyTorch for it")
+    return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -174,7 +219,7 @@ def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "
     gemm.quantized_linear / quantized_matmul, to train through it).
     """
     return _fake_quantize(x, fmt, axis, scale_mode, saturate, block_2d, rounding, generator,
-                          scaling, amax, margin, pow2_scale, block, _COMPILE)
+                          scaling, amax, margin, pow2_scale, block, None)
 
 
 def fake_quantize_compiled(x: torch.Tensor, fmt: str, axis: int = -1,
@@ -227,10 +272,16 @@ def _fake_quantize(x, fmt, axis, scale_mode, saturate, block_2d, rounding, gener
         return x
     if x.numel() == 0:
         return x.clone()
+    triton = compiled is None and _use_triton(x, fmt, info.kind, rounding, block_2d)
+    if compiled is None:        # fake_quantize: the kernel mode decides
+        compiled = _KERNELS == "compile"
     with torch.no_grad():   # rounding has no useful gradient; the GEMMs define their own
         noise = uniform_noise(x, generator) if rounding == "stochastic" else None
         if amax is not None:
             amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+        if triton:
+            return _kernels.fake_quantize(x, fmt, info.kind, axis, scale_mode, saturate, noise,
+                                          amax)
         impl = _compiled_impl() if compiled else _fake_quantize_impl
         return impl(x, fmt, axis, scale_mode, saturate,
                     (bool(block_2d), scaling, margin, bool(pow2_scale), block), noise, amax)

@@ -1,0 +1,88 @@
+"""Fused Triton quantize-dequantize kernels, bit for bit equal to the eager formats package.
+
+One kernel per format family; each reads every element once and writes it once. The kernels
+compute with integer operations on the float bits only (no float arithmetic that a GPU could
+flush to zero or fuse), so the same code gives the same bits on a GPU and under Triton's
+interpreter (TRITON_INTERPRET=1, on the CPU), where the tests run it.
+
+Covered, for float32 and bf16 inputs:
+- the MX formats (MXFP8 E4M3/E5M2, MXFP6 E2M3/E3M2, MXFP4 E2M1), scale rules "floor" and
+  "rceil", any block axis, round to nearest or stochastic rounding (the kernel reads the
+  uniform numbers eager draws from the caller's generator, so the bits are the same);
+- HiFP8 (plain cast and saturating);
+- NVFP4 with 16-element blocks along any axis, either rounding, its own or an imposed tensor
+  amax (the 0-d tensor scales are computed by the eager ops before the launch).
+Everything else (NVFP4's 16x16 tiles, block_2d; the FP8 formats; bf16/fp16 pass-through;
+float16/float64 inputs) is reported as not covered by `unsupported_reason`, and the caller
+falls back to the eager implementation.
+
+Triton is optional: importing this package does not import it; `triton_available()` says
+whether it can be imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_KINDS = ("mx", "hifp8", "nvfp4")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether `import triton` works (the package is an optional dependency)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read by Triton
+    when it is first imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unsupported_reason(kind: str, fmt: str, dtype: torch.dtype, rounding: str,
+                       block_2d: bool = False) -> Optional[str]:
+    """Why the kernels do not cover this call (None when they do)."""
+    if kind not in KERNEL_KINDS:
+        return f"format {fmt!r} (the Triton kernels cover the MX formats, hifp8 and nvfp4)"
+    if block_2d:
+        return "block_2d=True (the nvfp4 kernel takes 1-D blocks of 16)"
+    if rounding not in ("nearest", "stochastic"):
+        return f"rounding={rounding!r}"
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype} (the Triton kernels take float32 and bfloat16)"
+    return None
+
+
+def device_reason(x: torch.Tensor) -> Optional[str]:
+    """Why x's device cannot run the kernels (None when it can)."""
+    if not (x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_enabled())):
+        return (f"a tensor on {x.device} (the Triton kernels run on CUDA tensors, or on CPU "
+                f"tensors under Triton's interpreter, TRITON_INTERPRET=1)")
+    if not triton_available():
+        return "this installation: triton is not importable (pip install triton)"
+    return None
+
+
+def fake_quantize(x: torch.Tensor, fmt: str, kind: str, axis: int, scale_mode: str,
+                  saturate: bool, noise: Optional[torch.Tensor],
+                  amax: Optional[torch.Tensor]) -> torch.Tensor:
+    """Quantize-dequantize by the Triton kernel of the format's family (a call that
+    unsupported_reason and device_reason accept; arguments validated by fake_quantize)."""
+    if kind == "nvfp4":
+        from megatron.quantization.kernels.nvfp4 import nvfp4_fake_quantize_triton
+        return nvfp4_fake_quantize_triton(x, axis, noise, amax)
+    if kind == "hifp8":
+        from megatron.quantization.kernels.hifp8 import hifp8_fake_quantize_triton
+        return hifp8_fake_quantize_triton(x, saturate)
+    from megatron.quantization.kernels.mx import mx_fake_quantize_triton
+    return mx_fake_quantize_triton(x, fmt, axis, scale_mode, noise)

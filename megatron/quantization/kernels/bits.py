@@ -1,0 +1,104 @@
+"""Integer building blocks of the Triton kernels: float32 bits in, float32 bits out.
+
+Working on the bit patterns (not with float arithmetic, which a GPU may flush to zero or fuse)
+keeps the kernels exact and gives the same bits under Triton's CPU interpreter. A value is
+read as sig * 2**lsb with a 24-bit integer sig; grid roundings produce q * 2**s with a small
+integer q, which `pack` turns back into float32 bits.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_bits(ptr, offs, mask, IS_BF16: tl.constexpr):
+    """float32 bit patterns (int32) of the float32 or bf16 (read as int16) values at offs."""
+    if IS_BF16:
+        u = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) << 16
+    else:
+        u = tl.load(ptr + offs, mask=mask, other=0)
+    return u
+
+
+@triton.jit
+def store_bits(ptr, offs, mask, bits, IS_BF16: tl.constexpr):
+    """Store float32 bits as float32, or rounded to bf16 (nearest even; NaN stays NaN)."""
+    if IS_BF16:
+        mag = bits & 0x7FFFFFFF
+        rounded = (mag + (0x7FFF + ((mag >> 16) & 1))) >> 16
+        rounded = tl.where(mag > 0x7F800000, mag >> 16, rounded)
+        tl.store(ptr + offs, (rounded | ((bits >> 31) << 15)).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + offs, bits, mask=mask)
+
+
+@triton.jit
+def floor_log2(mag):
+    """floor(log2 |x|) of nonzero magnitudes (float32 bits without sign); subnormals read it
+    from their leading bit (an exact int -> float conversion of the 23-bit mantissa)."""
+    bexp = mag >> 23
+    mant = mag & 0x7FFFFF
+    lead = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 276
+    return tl.where(bexp == 0, lead, bexp - 127)
+
+
+@triton.jit
+def round_to_grid(mag, e, noise, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                  TOP_SIG: tl.constexpr, EMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Round |x| (finite float32 bits `mag`) on the grid of an element format scaled by 2**e:
+    (q, s) with the result q * 2**s.
+
+    The spacing at |x| is 2**s, s = max(floor(log2|x|), EMIN + e) - MBITS. Round to nearest
+    with ties to even, then saturate at max_normal * 2**e = TOP_SIG * 2**(EMAX - MBITS + e);
+    or (STOCHASTIC) saturate first, then round up where noise < frac, frac = the distance to
+    the lower neighbour in units of the spacing, as float32 -- the comparison eager stochastic
+    rounding makes on its float32 x * 2**-e. `noise` holds the float32 bits (int32) of the
+    uniform [0, 1) numbers: non-negative floats order like their bit patterns, so the
+    comparison is an integer one (no float compare that a GPU could flush). Where x * 2**-e is
+    an fp32 subnormal, eager rounds it (to 0 at or below 2**-150) and frac is below any
+    positive uniform number that torch draws (at least 2**-33): only a zero noise rounds up
+    there, and only if the rounded product is not 0.
+    """
+    bexp = mag >> 23
+    sig = tl.where(bexp == 0, mag & 0x7FFFFF, (mag & 0x7FFFFF) | 0x800000)
+    lsb = tl.maximum(bexp, 1) - 150
+    xexp = floor_log2(mag)
+    s = tl.maximum(xexp, EMIN + e) - MBITS
+    top = (EMAX - MBITS) + e
+    # shift >= 25 leaves less than half of the spacing: q = 0.
+    shift = tl.minimum(tl.maximum(s - lsb, 1), 25)
+    q = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    if STOCHASTIC:
+        true_shift = s - lsb
+        rem_bits = rem.to(tl.float32).to(tl.int32, bitcast=True)
+        frac_exp = (rem_bits >> 23) - 127 - true_shift
+        frac_bits = rem_bits - tl.minimum(true_shift, 200) * 8388608
+        up = (rem > 0) & (noise < frac_bits)
+        t = e - 150 - lsb
+        nonzero = (t < 0) | ((t < 24) & (sig > (1 << tl.minimum(tl.maximum(t, 0), 23))))
+        up = tl.where(frac_exp >= -126, up, (noise == 0) & nonzero & (rem > 0))
+        q += up.to(tl.int32)
+        clamp = (xexp > EMAX + e) | ((xexp == EMAX + e) & (sig > (TOP_SIG << (23 - MBITS))))
+    else:
+        half = 1 << (shift - 1)
+        q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+        clamp = (s > top) | ((s == top) & (q > TOP_SIG))
+    q = tl.where(clamp, TOP_SIG, q)
+    s = tl.where(clamp, top, s)
+    return q, s
+
+
+@triton.jit
+def pack(q, s):
+    """float32 bits of q * 2**s (0 <= q < 2**24): a subnormal where it is one, Inf above the
+    float32 range (the exact value of a product that a float32 multiplication would give)."""
+    qbits = q.to(tl.float32).to(tl.int32, bitcast=True)
+    rexp = (qbits >> 23) - 127 + s
+    normal = qbits + s * 8388608
+    sub = q << tl.minimum(tl.maximum(s + 149, 0), 31)
+    res = tl.where(rexp >= -126, normal, sub)
+    res = tl.where(rexp > 127, 0x7F800000, res)
+    return tl.where(q == 0, 0, res)

@@ -1,0 +1,117 @@
+"""MX quantize-dequantize in one Triton kernel (integer arithmetic on the float bits).
+
+A tensor is seen as [outer, length, inner] with the block axis in the middle (no copy: any
+axis of a contiguous tensor). A program takes GROUP blocks of 32 elements; consecutive block
+numbers are consecutive along `inner` (or along the axis when inner == 1), so the loads of one
+tile are contiguous in memory. Per block, in integer arithmetic on the float32 bits (a bf16
+value is its high 16 bits):
+
+    amax     the largest |x| bit pattern (it orders like the magnitudes; NaN > Inf > finite;
+             the zero padding of a short tail never wins), as in the eager path;
+    e        floor: biased exponent of amax - 127 - emax_elem; rceil: one more when amax's
+             mantissa exceeds max_normal's; -127 for a zero or subnormal amax; clamped to
+             [-127, 127]; a block holding NaN or Inf comes out all NaN;
+    element  x = sig * 2**lsb exactly; the element grid spacing at x is 2**S with
+             S = max(floor(log2|x|), emin_elem + e) - mbits (fp32 subnormals read their
+             exponent from their leading bit); sig is rounded to a multiple of 2**(S - lsb),
+             to nearest with ties to even, and a result above max_normal * 2**e saturates to
+             it; or, for stochastic rounding, |x| is saturated first and rounded up where
+             eager's uniform number (read from the noise tensor) is below the fraction
+             (bits.round_to_grid);
+             q * 2**S is written back as float32 bits (a subnormal where it is one; Inf
+             where it exceeds float32, the rceil overflow of pitfall P12), with x's sign
+             (so -0 and tiny negatives give -0, as eager does);
+    bf16     the exact float32 result is rounded once to bf16, to nearest even.
+
+This is the value the eager path defines (scale exactly, round once, dequantize exactly).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron.quantization.formats.common import _INFO, MX_BLOCK_SIZE
+from megatron.quantization.kernels.bits import load_bits, pack, round_to_grid, store_bits
+
+GROUP = 64          # blocks of 32 per program: 2048 elements
+
+
+@triton.jit
+def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_row,
+                   EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                   TOP_SIG: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
+    block = tl.program_id(0).to(tl.int64) * GROUP_ + tl.arange(0, GROUP_)
+    col = block % inner
+    row = block // inner
+    nb = row % blocks_per_row
+    outer = row // blocks_per_row
+    lane = tl.arange(0, 32)
+    n = nb[:, None] * 32 + lane[None, :]
+    mask = (block < n_blocks)[:, None] & (n < length)
+    offs = (outer[:, None] * length + n) * inner + col[:, None]
+    u = load_bits(x_ptr, offs, mask, IS_BF16)
+    mag = u & 0x7FFFFFFF
+
+    # Shared exponent e per block.
+    amax = tl.max(mag, axis=1)
+    e = (amax >> 23) - (127 + EMAX)
+    if RCEIL:
+        e += ((amax & 0x7FFFFF) > MAX_MANT).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -127), 127)     # a zero or subnormal amax: -127
+    bad = amax >= 0x7F800000
+
+    if STOCHASTIC:
+        noise = tl.load(noise_ptr + offs, mask=mask, other=0x3F800000)   # float32 bits
+    else:
+        noise = 0
+    q, s = round_to_grid(mag, e[:, None], noise, EMIN, MBITS, TOP_SIG, EMAX, STOCHASTIC)
+    res = pack(q, s) | ((u >> 31) << 31)             # x's sign (-0 for negatives that vanish)
+    res = tl.where(bad[:, None], 0x7FC00000, res)
+    store_bits(y_ptr, offs, mask, res, IS_BF16)
+
+
+def _format_constants(fmt: str):
+    info = _INFO[fmt]
+    top_sig = info.max_normal / 2.0 ** (info.emax_elem - info.mantissa_bits)
+    assert top_sig == int(top_sig), fmt
+    mant, _ = math.frexp(info.max_normal)          # max_normal = 1.n * 2**emax_elem
+    max_mant = int(round((2 * mant - 1) * 2 ** 23))
+    return dict(EMAX=info.emax_elem, EMIN=info.emin_elem, MBITS=info.mantissa_bits,
+                TOP_SIG=int(top_sig), MAX_MANT=max_mant)
+
+
+def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
+                            noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fake_quantize(x, fmt, axis, scale_mode) for an MX format, by the Triton kernel.
+
+    x: float32 or bf16, any shape (made contiguous if it is not); fmt canonical; axis
+    normalised (0 <= axis < x.dim()). noise: None (round to nearest) or the uniform [0, 1)
+    float32 numbers of x's shape that eager stochastic rounding draws (rounding.uniform_noise),
+    so that both give the same bits. Returns a new tensor of x's shape and dtype."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"the MX Triton kernel takes float32 or bfloat16, got {x.dtype}")
+    if noise is not None and (noise.shape != x.shape or noise.dtype != torch.float32):
+        raise ValueError("noise must be float32 of x's shape")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    length = x.shape[axis]
+    inner = math.prod(x.shape[axis + 1:])
+    outer = math.prod(x.shape[:axis])
+    blocks_per_row = -(-length // MX_BLOCK_SIZE)
+    n_blocks = outer * blocks_per_row * inner
+    view = torch.int16 if x.dtype == torch.bfloat16 else torch.int32
+    grid = (triton.cdiv(n_blocks, GROUP),)
+    noise_arg = x.view(view) if noise is None else noise.contiguous().view(torch.int32)
+    _mx_qdq_kernel[grid](x.view(view), noise_arg, y.view(view), n_blocks, length, inner,
+                         blocks_per_row, RCEIL=scale_mode == "rceil",
+                         STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16,
+                         GROUP_=GROUP, **_format_constants(fmt))
+    return y

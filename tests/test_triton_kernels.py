@@ -1,0 +1,363 @@
+"""The fused Triton kernels (MX and NVFP4 with round to nearest and stochastic rounding, HiFP8)
+are bit for bit the eager fake_quantize.
+
+The kernels run under Triton's CPU interpreter. TRITON_INTERPRET must be set before triton is
+first imported, and must not reach the other test modules, so the comparisons run in one
+subprocess (this file run as a script, `python tests/test_triton_kernels.py`), which prints
+one JSON line: for each case, None when the kernel and eager agree on every bit (NaN with NaN,
+whatever the payload), else a description of the first mismatches. The tests below read it.
+The dispatch checks that need no kernel run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4")
+SCALE_MODES = ("floor", "rceil")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Test inputs (built the same way in both processes)
+# ---------------------------------------------------------------------------------------------
+
+def wide_random(shape, seed) -> torch.Tensor:
+    """Random signs, mantissas and exponents over most of the float32 range, subnormals too."""
+    g = torch.Generator().manual_seed(seed)
+    mant = 1 + torch.rand(shape, generator=g)
+    exp = torch.randint(-150, 100, shape, generator=g).float()
+    sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+    # Per-row offsets give blocks of very different scales.
+    return sign * mant * torch.exp2(exp) * torch.exp2(torch.randint(-20, 20, shape[:1],
+                                                                    generator=g).float()
+                                                      .reshape((-1,) + (1,) * (len(shape) - 1)))
+
+
+def special_values() -> torch.Tensor:
+    """Rows of 70 (two full blocks and a 6-element tail) holding the edge cases."""
+    nan, inf = float("nan"), float("inf")
+    f32max = torch.finfo(torch.float32).max
+    rows = torch.linspace(-3, 3, 70).repeat(16, 1)
+    rows[0, :] = 0.0                                    # all-zero blocks and tail
+    rows[1, :32] = -0.0                                 # negative zeros
+    rows[1, 40] = -0.0
+    rows[2, 3], rows[2, 64] = nan, nan                  # NaN in a block and in the tail
+    rows[3, 5], rows[3, 40] = inf, -inf
+    rows[4, 0], rows[4, 33] = f32max, -f32max           # huge (rceil overflows to Inf: P12)
+    rows[4, 1], rows[4, 34] = 3.0e38, 1.0e-30
+    rows[5, :] = torch.tensor([1e-40, -1e-45, 2.0 ** -149, -(2.0 ** -126) * 0.75,
+                               5.877472e-39, -2.9e-39, 0.0, -0.0, 1.4e-45, 1.1754942e-38]
+                              * 7)                      # fp32 subnormals only (scale 2**-127)
+    rows[6, :] = 2.0 ** -125 * torch.linspace(-1, 1, 70)  # tiny blocks
+    rows[7, :] = 2.0 ** torch.arange(-60, 10).float()   # wide range within blocks
+    rows[8, 1::2] = -1e-38                              # tiny negatives flush to -0
+    rows[9, :] = torch.tensor([2.0 ** k * (1 - 2.0 ** -24) for k in range(-35, 35)])  # below 2**k
+    rows[10, :] = torch.tensor([2.0 ** k for k in range(-35, 35)])  # powers of two
+    rows[11, :] = 448.0 * torch.linspace(-1.2, 1.2, 70)
+    rows[12, :] = 57344.0 * torch.linspace(-1.2, 1.2, 70)
+    rows[13, :] = 6.0 * torch.linspace(-1.3, 1.3, 70)
+    rows[14, 0] = 1e-40                                 # a subnormal beside normal values
+    rows[15, :] = -rows[15, :]
+    return rows
+
+
+def grid_midpoints(fmt: str) -> torch.Tensor:
+    """Blocks scaled by 2**0 (amax = max_normal) holding every element value, every midpoint
+    between neighbours (ties) and the float32 neighbours of each midpoint."""
+    from megatron.quantization.formats import fake_quantize, format_info
+    info = format_info(fmt)
+    dense = torch.cat([torch.linspace(-info.max_normal, info.max_normal, 20001),
+                       torch.linspace(-8 * info.min_normal, 8 * info.min_normal, 20001)])
+    padded = torch.cat([dense.reshape(-1, 1),
+                        torch.full((dense.numel(), 31), info.max_normal)], 1)
+    grid = torch.unique(fake_quantize(padded, fmt)[:, 0])
+    mid = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([grid, mid, torch.nextafter(mid, grid[1:]),
+                        torch.nextafter(mid, grid[:-1])])
+    values = torch.cat([values, torch.zeros(-values.numel() % 31)])
+    blocks = values.reshape(-1, 31)
+    return torch.cat([blocks, torch.full((blocks.shape[0], 1), info.max_normal)], 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The subprocess: kernel against eager
+# ---------------------------------------------------------------------------------------------
+
+def _mismatch(kernel: torch.Tensor, eager: torch.Tensor):
+    if kernel.dtype != eager.dtype or kernel.shape != eager.shape:
+        return f"dtype/shape {kernel.dtype} {tuple(kernel.shape)} vs {eager.dtype} " \
+               f"{tuple(eager.shape)}"
+    nan_k, nan_e = torch.isnan(kernel), torch.isnan(eager)
+    if not torch.equal(nan_k, nan_e):
+        return f"NaN at {int((nan_k != nan_e).sum())} different positions"
+    bits = torch.int16 if kernel.dtype == torch.bfloat16 else torch.int32
+    differ = (kernel.view(bits) != eager.view(bits)) & ~nan_e
+    if differ.any():
+        return (f"{int(differ.sum())} elements differ, e.g. kernel "
+                f"{kernel[differ][:4].tolist()} eager {eager[differ][:4].tolist()}")
+    return None
+
+
+def run_cases() -> dict:
+    from megatron.quantization import kernels
+    from megatron.quantization.formats import fake_quantize, set_kernels
+
+    from megatron.quantization.formats.mx import _mx_fake_quantize
+    from megatron.quantization.kernels.mx import mx_fake_quantize_triton
+
+    calls = []
+    original = kernels.fake_quantize
+
+    def counted(*args):
+        calls.append(args[1])
+        return original(*args)
+    kernels.fake_quantize = counted
+
+    def compare(x, fmt, axis=-1, mode="floor", seed=None, **options):
+        if seed is not None:
+            options["generator"] = torch.Generator().manual_seed(seed)
+        set_kernels("eager")
+        eager = fake_quantize(x, fmt, axis, mode, **options)
+        if seed is not None:
+            options["generator"] = torch.Generator().manual_seed(seed)
+        set_kernels("triton")
+        before = len(calls)
+        kernel = fake_quantize(x, fmt, axis, mode, **options)
+        set_kernels("auto")
+        if len(calls) != before + 1:
+            return "the Triton kernel was not called"
+        return _mismatch(kernel, eager)
+
+    results = {}
+    random3d = wide_random((35, 6, 40), seed=1)         # tails on axes 0 and 2, inner > 1
+    special = special_values()
+    # Blocks of scale about 2**10 holding values whose x * 2**-e is an fp32 subnormal, some
+    # rounding to zero there (at or below 2**-150), some not.
+    tiny = 2.0 ** -149
+    subnormal_scaled = torch.tensor([1000.0, -700.0, tiny, -tiny, 3 * tiny, -5 * tiny,
+                                     2.0 ** -140, 1e-40, -3e-39, 2.0 ** -130, 0.0, -0.0,
+                                     1.5 * 2.0 ** -120, 1.0, 2.0 ** -126, 7 * 2.0 ** -146]
+                                    * 4).reshape(2, 32).repeat(8, 1)
+    subnormal_scaled[4:] *= 2.0 ** 20
+    for fmt in MX_FORMATS:
+        mids = grid_midpoints(fmt)
+        for mode in SCALE_MODES:
+            for dname, dtype in DTYPES.items():
+                for axis in (0, 1, 2, -1):
+                    results[f"random3d {fmt} {mode} {dname} axis={axis}"] = compare(
+                        random3d.to(dtype), fmt, axis, mode)
+                for axis in (0, 1, -1):
+                    results[f"specials {fmt} {mode} {dname} axis={axis}"] = compare(
+                        special.to(dtype), fmt, axis, mode)
+                results[f"midpoints {fmt} {mode} {dname}"] = compare(
+                    mids.to(dtype), fmt, -1, mode)
+                # Stochastic rounding through fake_quantize (the same generator state), and
+                # with uniform numbers that include zeros (a zero rounds up anything off the
+                # grid, also fp32 subnormals that eager's x * 2**-e keeps or flushes).
+                for axis in (0, -1):
+                    results[f"stochastic {fmt} {mode} {dname} axis={axis}"] = compare(
+                        special.to(dtype), fmt, axis, mode, seed=7, rounding="stochastic")
+                for name, x in (("specials", special), ("midpoints", mids),
+                                ("subnormal scaled", subnormal_scaled)):
+                    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(8))
+                    noise[::2, ::3] = 0.0
+                    noise[1::4] = 0.0
+                    xd = x.to(dtype)
+                    results[f"stochastic zeros {name} {fmt} {mode} {dname}"] = _mismatch(
+                        mx_fake_quantize_triton(xd, fmt, 1, mode, noise),
+                        _mx_fake_quantize(xd, fmt, 1, mode, noise))
+    # More blocks than one program takes (partial last group), a non-contiguous input, a
+    # 1-D tensor shorter than a block, a 4-D tensor.
+    results["many blocks"] = compare(wide_random((3, 700, 65), seed=2), "mxfp8_e4m3", 1,
+                                     "floor")
+    results["transposed view"] = compare(wide_random((64, 50), seed=3).t(), "mxfp4", 0,
+                                         "rceil")
+    results["short 1-D"] = compare(wide_random((7,), seed=4), "mxfp6_e3m2", 0, "floor")
+    results["4-D bf16"] = compare(wide_random((2, 3, 33, 5), seed=5).bfloat16(),
+                                  "mxfp8_e5m2", 2, "rceil")
+    # HiFP8: every bf16 bit pattern, its float32 values and their midpoint neighbours,
+    # the thresholds, random values; plain cast and saturating.
+    every_bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(
+        torch.bfloat16)
+    wide = every_bf16.float()
+    near = torch.cat([wide, torch.nextafter(wide, torch.full_like(wide, 1e38)),
+                      torch.nextafter(wide, torch.full_like(wide, -1e38)),
+                      torch.tensor([40960.0, -40960.0, 40959.996, 49152.0, 36864.0, 2.0 ** -23,
+                                    -(2.0 ** -23), 2.0 ** -23 * 0.99, 1.5 * 2.0 ** -17, 1.0625,
+                                    1.1875, -0.0, 3e38])])
+    # NVFP4 (1-D blocks of 16): its own and imposed tensor amax, NaN/Inf tensors (all NaN),
+    # tiny tensors (subnormal scales), stochastic rounding.
+    from megatron.quantization.formats.nvfp4 import _nvfp4_fake_quantize
+    from megatron.quantization.kernels.nvfp4 import nvfp4_fake_quantize_triton
+    finite_rows = special[[0, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    nv_inputs = {"random3d": random3d, "specials": special, "finite specials": finite_rows,
+                 "tiny": wide_random((20, 40), seed=10) * 1e-30,
+                 "subnormal": torch.tensor([1e-40, -3e-39, 2.0 ** -149, 0.0] * 10).reshape(2, 20)}
+    for name, x in nv_inputs.items():
+        for dname, dtype in DTYPES.items():
+            xd = x.to(dtype)
+            for axis in range(x.dim()):
+                for amax in (None, 3.0, 1e-30, 0.0, float("inf")):
+                    results[f"nvfp4 {name} {dname} axis={axis} amax={amax}"] = compare(
+                        xd, "nvfp4", axis, amax=amax)
+                results[f"nvfp4 stochastic {name} {dname} axis={axis}"] = compare(
+                    xd, "nvfp4", axis, seed=11, rounding="stochastic")
+            noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(12))
+            noise.view(-1)[::3] = 0.0
+            results[f"nvfp4 stochastic zeros {name} {dname}"] = _mismatch(
+                nvfp4_fake_quantize_triton(xd, 0, noise), _nvfp4_fake_quantize(xd, 0, False,
+                                                                                noise, None))
+    for saturate in (False, True):
+        results[f"hifp8 every bf16 saturate={saturate}"] = compare(
+            every_bf16, "hifp8", saturate=saturate)
+        results[f"hifp8 float32 saturate={saturate}"] = compare(near, "hifp8", saturate=saturate)
+        results[f"hifp8 random saturate={saturate}"] = compare(
+            wide_random((50, 70), seed=9), "hifp8", saturate=saturate)
+        results[f"hifp8 specials saturate={saturate}"] = compare(
+            special.bfloat16(), "hifp8", saturate=saturate)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests (this process never imports triton)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernel_results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("group", ["random3d", "specials", "midpoints"])
+def test_mx_kernel_is_bit_exact(kernel_results, group):
+    cases = {k: v for k, v in kernel_results.items() if k.startswith(group + " ")}
+    # every format, scale rule and dtype (and, but for midpoints, axis) was run
+    assert len(cases) == len(MX_FORMATS) * 2 * 2 * {"random3d": 4, "specials": 3,
+                                                    "midpoints": 1}[group]
+    failures = {k: v for k, v in cases.items() if v is not None}
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("group, count", [("stochastic", 40), ("stochastic zeros", 60)])
+def test_mx_stochastic_kernel_is_bit_exact(kernel_results, group, count):
+    cases = {k: v for k, v in kernel_results.items() if k.startswith(group + " ")
+             and (group == "stochastic zeros" or not k.startswith("stochastic zeros "))}
+    assert len(cases) == count
+    failures = {k: v for k, v in cases.items() if v is not None}
+    assert not failures, failures
+
+
+def test_nvfp4_kernel_is_bit_exact(kernel_results):
+    cases = {k: v for k, v in kernel_results.items() if k.startswith("nvfp4 ")}
+    # 5 inputs (one 3-D, four 2-D) x 2 dtypes x (axes x (5 amax + stochastic) + zero noise)
+    assert len(cases) == 2 * ((3 + 4 * 2) * 6 + 5)
+    failures = {k: v for k, v in cases.items() if v is not None}
+    assert not failures, failures
+
+
+def test_hifp8_kernel_is_bit_exact(kernel_results):
+    cases = {k: v for k, v in kernel_results.items() if k.startswith("hifp8 ")}
+    assert len(cases) == 8
+    failures = {k: v for k, v in cases.items() if v is not None}
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("case", ["many blocks", "transposed view", "short 1-D", "4-D bf16"])
+def test_mx_kernel_layouts(kernel_results, case):
+    assert kernel_results[case] is None, kernel_results[case]
+
+
+@pytest.fixture
+def kernel_mode(monkeypatch):
+    from megatron.quantization import formats
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    yield formats
+    formats.set_kernels("auto")
+
+
+def test_kernel_mode_setting(kernel_mode):
+    formats = kernel_mode
+    assert formats.kernels_mode() == "auto" and not formats.compile_enabled()
+    formats.set_compile(True)
+    assert formats.kernels_mode() == "compile" and formats.compile_enabled()
+    formats.set_compile(False)
+    assert formats.kernels_mode() == "auto"
+    with pytest.raises(ValueError, match="unknown kernel mode"):
+        formats.set_kernels("cuda")
+
+
+def test_auto_mode_on_cpu_is_eager(kernel_mode, monkeypatch):
+    formats = kernel_mode
+    from megatron.quantization import kernels
+    monkeypatch.setattr(kernels, "fake_quantize",
+                        lambda *a: pytest.fail("the kernel ran on a CPU tensor in auto mode"))
+    x = wide_random((4, 64), seed=6)
+    formats.set_kernels("eager")
+    eager = formats.fake_quantize(x, "mxfp8")
+    formats.set_kernels("auto")
+    assert torch.equal(formats.fake_quantize(x, "mxfp8"), eager)
+
+
+@pytest.mark.parametrize("fmt, options, dtype, message", [
+    ("nvfp4", {"block_2d": True}, torch.float32, "block_2d=True"),
+    ("fp8_e4m3", {}, torch.float32, "format 'fp8_e4m3'"),
+    ("bf16", {}, torch.float32, "format 'bf16'"),
+    ("mxfp8", {}, torch.float16, "dtype torch.float16"),
+    ("hifp8", {}, torch.float64, "dtype torch.float64"),
+    ("mxfp8", {}, torch.float32, "a tensor on cpu"),
+])
+def test_triton_mode_names_what_it_does_not_cover(kernel_mode, fmt, options, dtype, message):
+    formats = kernel_mode
+    formats.set_kernels("triton")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        formats.fake_quantize(torch.ones(4, 32, dtype=dtype), fmt, **options)
+
+
+@pytest.mark.parametrize("argv, mode", [
+    ([], "auto"), (["--quant-kernels", "triton"], "triton"),
+    (["--quant-kernels", "eager"], "eager"), (["--quant-compile"], "compile"),
+    (["--quant-kernels", "compile", "--quant-compile"], "compile"),
+])
+def test_quant_kernels_flag(argv, mode):
+    from megatron.training.arguments import parse_args, validate_args
+    minimal = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "5",
+               "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+               "--vocab-size", "100"]
+    args = parse_args(minimal + argv)
+    args.world_size = 1
+    args = validate_args(args, check_paths=False)
+    assert args.quant_kernels == mode and args.quant_compile == (mode == "compile")
+
+
+def test_quant_compile_contradicting_quant_kernels_is_an_error():
+    from megatron.training.arguments import ConfigError, parse_args, validate_args
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+                       "4", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters",
+                       "5", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+                       "NullTokenizer", "--vocab-size", "100", "--quant-compile",
+                       "--quant-kernels", "eager"])
+    args.world_size = 1
+    with pytest.raises(ConfigError, match="contradicts --quant-kernels eager"):
+        validate_args(args, check_paths=False)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (the tests in this file do)")
+    import numpy as np
+    np.seterr(all="ignore")     # the interpreter's numpy: 1/0 and overflow are intended
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    torch.set_num_threads(1)
+    print(json.dumps(run_cases()))
