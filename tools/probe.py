@@ -122,17 +122,26 @@ def main(argv=None):
               ["--schemes", *claims.GRADIENT_ARMS, "--gradients",
                "--gradient-micro-batches", str(args.gradient_micro_batches)])]
     for n, (what, outdir, flags) in enumerate(steps, 1):
+        # A step whose outputs were written by the same command is reused.
+        step_key = hashlib.sha256(json.dumps(evaluate[2:] + flags).encode()).hexdigest()[:16]
+        key_file = os.path.join(outdir, ".probe-step")
+        if os.path.exists(key_file) and open(key_file).read().strip() == step_key:
+            print(f"[probe] step {n}/{len(steps)}: reusing {what} in {outdir}", flush=True)
+            continue
         t0 = time.time()
         print(f"[probe] step {n}/{len(steps)}: {what} -> {outdir}", flush=True)
         stream(evaluate + ["--output-dir", outdir, *flags],
                os.path.join(out, f"evaluate-{os.path.basename(outdir)}.log"), evaluation_echo)
+        with open(key_file, "w") as f:
+            f.write(step_key)
         print(f"[probe] {what} done in {(time.time() - t0) / 60:.1f} min", flush=True)
 
     with open(os.path.join(direct, "evaluation.json")) as f:
         direct_doc = json.load(f)
     with open(os.path.join(grads, "evaluation.json")) as f:
         grads_doc = json.load(f)
-    rows = claims.check(direct_doc, os.path.join(direct, "sequences.npz"), grads_doc)
+    rows = claims.check(direct_doc, os.path.join(direct, "sequences.npz"),
+                        grads_doc["gradients"])
     claims.write(rows, out)
     print("\n" + claims.markdown(rows))
     print(f"[probe] finished in {(time.time() - start) / 60:.1f} min")

@@ -164,32 +164,54 @@ def sweep_figure(sweep: dict, path: str) -> bool:
     return True
 
 
+def _without_stochastic_rounding(spec: str) -> str:
+    """The round-to-nearest twin of an arm: its spec without the stochastic-rounding flag."""
+    name, _, flags = spec.partition("@")
+    kept = [f for f in flags.split(",") if f and not f.startswith("quant-stochastic-rounding")]
+    return name + ("@" + ",".join(kept) if kept else "")
+
+
 def gradients_figure(g: dict, path: str) -> bool:
     plt = _plt()
     specs = list(g["schemes"])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.4 * len(specs) + 3), dpi=120)
+    drawn = [(s, g["schemes"][s]["draws"]) for s in specs if "draws" in g["schemes"][s]]
+    width = min(16.0, 5.0 + 0.075 * max(len(s) for s in specs))
+    rows = 2 if drawn else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(width, 0.32 * len(specs) + 1.6 + 4.2 * (rows - 1)),
+                             dpi=120, squeeze=False,
+                             gridspec_kw={"height_ratios": [0.32 * len(specs) + 1, 4.0][:rows]})
+    a = axes[0][0]
     errs = [g["schemes"][s]["vs_fp32"]["rel_l2"] for s in specs]
     a.barh(range(len(specs)), errs, color="#1f5f9f")
+    for i, e in enumerate(errs):
+        a.text(e, i, f" {e:.3g}", va="center", fontsize=9)
     a.set_yticks(range(len(specs)), specs, fontsize=9)
     a.invert_yaxis()
     a.set_xscale("log")
-    a.set_xlabel("relative L2 error of the gradient vs fp32", fontsize=10)
-    drawn = [(s, g["schemes"][s]["draws"]) for s in specs if "draws" in g["schemes"][s]]
-    for spec, d in drawn:
-        b.loglog(d["K"], d["rel_l2"], "o-", label=spec)
-        k0, e0 = d["K"][0], d["rel_l2"][0]
-        b.loglog(d["K"], [e0 * (k0 / k) ** 0.5 for k in d["K"]], ":", color="#888")
-    for spec in specs:
-        if "draws" not in g["schemes"][spec] and g["schemes"][spec]["vs_fp32"]["rel_l2"] > 0:
-            b.axhline(g["schemes"][spec]["vs_fp32"]["rel_l2"], ls="--", lw=0.8,
-                      label=f"{spec} (deterministic)")
-    b.set_xlabel("K (stochastic-rounding draws averaged)", fontsize=10)
-    b.set_ylabel("rel L2 of the mean vs fp32", fontsize=10)
-    b.set_title("dotted: 1/sqrt(K)", fontsize=10)
-    if b.lines:
-        b.legend(fontsize=8)
+    a.set_xlim(right=max(errs) * 3)      # room for the value labels
+    a.set_xlabel("relative L2 error of the gradient vs the fp32 unquantized model "
+                 f"({g['micro_batches']} micro-batches)", fontsize=10)
+    if drawn:
+        b = axes[1][0]
+        for n, (spec, d) in enumerate(drawn):
+            color = f"C{n}"
+            b.loglog(d["K"], d["rel_l2"], "o-", color=color, label=f"{spec}: mean of K draws")
+            k0, e0 = d["K"][0], d["rel_l2"][0]
+            b.loglog(d["K"], [e0 * (k0 / k) ** 0.5 for k in d["K"]], ":", color="#888")
+            twin = _without_stochastic_rounding(spec)
+            if twin != spec and twin in g["schemes"]:
+                b.axhline(g["schemes"][twin]["vs_fp32"]["rel_l2"], ls="--", color=color,
+                          label=f"{twin}: round to nearest (every draw the same)")
+        if "bf16" in g["schemes"]:
+            b.axhline(g["schemes"]["bf16"]["vs_fp32"]["rel_l2"], ls="-", lw=0.8, color="#444",
+                      label="bf16 (the floor)")
+        b.set_xlabel("K (stochastic-rounding draws averaged)", fontsize=10)
+        b.set_ylabel("rel L2 of the mean vs fp32", fontsize=10)
+        b.set_title("Stochastic rounding: error of the mean of K draws (dotted: 1/sqrt(K))",
+                    fontsize=10)
+        b.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return True
 
