@@ -119,7 +119,9 @@ def main(argv=None):
     steps = [("direct cast and per-site sweep", direct,
               ["--schemes", *claims.DIRECT_ARMS, "--sweep", "sites"]),
              ("gradient fidelity", grads,
-              ["--schemes", *claims.GRADIENT_ARMS, "--gradients",
+              # Only the micro-batches the gradients use (the same first ones).
+              ["--schemes", *claims.GRADIENT_ARMS, "--gradients", "--eval-iters",
+               str(args.gradient_micro_batches),
                "--gradient-micro-batches", str(args.gradient_micro_batches)])]
     for n, (what, outdir, flags) in enumerate(steps, 1):
         # A step whose outputs were written by the same command is reused.
