@@ -18,7 +18,7 @@ help:
 	@echo "make test        run all tests"
 	@echo "make study       the default CPU scheme study: 7 arms x 3 seeds (about 45 min) -> $(STUDY_DIR)"
 	@echo "make probe       formats on trained weights: train llama-tiny once, evaluate every scheme,"
-	@echo "                 sweep sites, gradient fidelity, published claims (~15 min) -> runs/probe"
+	@echo "                 sweep sites, gradient fidelity, published claims (under 1 h on 2 cores) -> runs/probe"
 	@echo "make data-bpe    the wikipedia data re-tokenized with an 8k BPE trained on it"
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
