@@ -8,8 +8,11 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron.quantization import attention as attention_module
 from megatron.quantization.attention import (
-    QuantDotProductAttention, chunk_bounds, default_chunk_rows, reference_attention)
+    CHUNK_BYTES, GPU_CHUNK_MAX_BYTES, QuantDotProductAttention, chunk_bounds, chunk_bytes_for,
+    chunk_key_extent, default_chunk_rows, free_device_bytes, reference_attention)
+from megatron.quantization import randomness
 from megatron.quantization.formats import fake_quantize
+from megatron.quantization.gemm import SiteState
 from megatron.quantization.local_attention import causal_mask
 from megatron.quantization.observers import GemmSite, QuantizationCounter, register_observer, \
     unregister_observer
@@ -25,15 +28,16 @@ def _inputs(sq, b, heads, groups, dim, dtype, seed=0):
     return [t.to(dtype) for t in (q, k, v)]
 
 
-def _module(args, qk="none", pv="none", chunk_rows=None, dropout=0.0, hifp8_scaling="none"):
+def _module(args, qk="none", pv="none", chunk_rows=None, dropout=0.0, hifp8_scaling="none",
+            stochastic=()):
     cfg = core_transformer_config_from_args(args)
     cfg.attention_dropout = dropout
     module = QuantDotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                       attention_type="self")
-    module.qk_site = GemmSite("attn.qk", "attn_qk", 1,
-                              site_config(qk, "e4m3", True, "floor", hifp8_scaling))
-    module.pv_site = GemmSite("attn.pv", "attn_pv", 1,
-                              site_config(pv, "e4m3", True, "floor", hifp8_scaling))
+    for name, fmt in (("qk", qk), ("pv", pv)):
+        config = site_config(fmt, "e4m3", True, "floor", hifp8_scaling, stochastic=stochastic)
+        setattr(module, f"{name}_site", GemmSite(f"attn.{name}", f"attn_{name}", 1, config,
+                                                 SiteState(f"attn.{name}", config)))
     module.chunk_rows = chunk_rows
     return module
 
@@ -139,6 +143,116 @@ def test_chunks_never_cut_an_mx_block():
         chunk_bounds(100, 48)
     assert default_chunk_rows(16, 8192) == 64       # 32 MiB / (16 * 8192 * 4 B) rows
     assert default_chunk_rows(1024, 8192) == 32     # never below one MX block
+
+
+def test_chunk_size_from_free_device_memory(monkeypatch):
+    """32 MiB of fp32 scores per chunk on a CPU; on a GPU 1/32 of the free memory (the
+    driver's free memory plus what the caching allocator holds unused), at least 32 MiB and
+    at most 512 MiB."""
+    mib, gib = 2 ** 20, 2 ** 30
+    assert free_device_bytes(torch.device("cpu")) is None
+    assert chunk_bytes_for(None) == CHUNK_BYTES == 32 * mib
+    assert chunk_bytes_for(8 * gib) == 256 * mib
+    assert chunk_bytes_for(70 * gib) == GPU_CHUNK_MAX_BYTES == 512 * mib
+    assert chunk_bytes_for(512 * mib) == 32 * mib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * gib)
+    free = free_device_bytes(torch.device("cuda", 0))
+    assert free == 8 * gib
+    # Llama 3.1 8B under TP2 at seq 8192, micro-batch 1: 4 query groups of 4 heads.
+    assert default_chunk_rows(4, 8192, chunk_bytes_for(free)) == 2048
+
+
+def test_causal_key_extents():
+    """Rows r = head * sq + position see the keys j <= position + sk - sq; extents are
+    rounded up to 32 keys, and a chunk that wraps into the next head sees them all."""
+    assert [chunk_key_extent(r0, r1, 128, 128) for r0, r1 in chunk_bounds(256, 32)] == \
+        [32, 64, 96, 128, 32, 64, 96, 128]
+    assert chunk_key_extent(0, 40, 72, 72) == 64          # positions 0..39 -> keys 0..39
+    assert chunk_key_extent(64, 96, 72, 72) == 72         # 64..71 of head 0, 0..23 of head 1
+    assert chunk_key_extent(0, 32, 40, 72) == 64          # sk > sq: position 31 sees 63 keys
+    assert chunk_key_extent(0, 32, 72, 40) == 40          # sk < sq: rows that see no key
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _chunk_extents(monkeypatch):
+    """The key extents every chunked call uses (a spy on _ChunkedAttention.apply)."""
+    seen = []
+    real = attention_module._ChunkedAttention.apply
+
+    def spy(*args):
+        seen.append(list(args[-1]))
+        return real(*args)
+
+    monkeypatch.setattr(attention_module._ChunkedAttention, "apply", spy)
+    return seen
+
+
+@pytest.mark.parametrize("qk,pv,scaling,stochastic,dtype,sq,sk", [
+    ("mxfp8", "mxfp8", "none", (), torch.float32, 72, 72),
+    ("mxfp4", "mxfp8", "none", (), torch.bfloat16, 72, 72),
+    ("nvfp4", "nvfp4", "none", (), torch.float32, 72, 72),
+    ("fp8", "fp8", "none", (), torch.float32, 40, 72),
+    ("hifp8", "hifp8", "tensor", (), torch.float32, 72, 40),
+    ("none", "mxfp8", "none", (), torch.float32, 96, 96),
+    ("mxfp8", "none", "none", (), torch.bfloat16, 96, 96),
+    ("nvfp4", "nvfp4", "none", ("fprop.b", "dgrad.b"), torch.float32, 72, 72),
+    ("mxfp8", "mxfp8", "none", ("dgrad.a", "wgrad.b"), torch.float32, 72, 72),
+])
+def test_shared_operands_and_skipped_key_blocks_change_no_bit(world_size_one, monkeypatch, qk,
+                                                              pv, scaling, stochastic, dtype,
+                                                              sq, sk):
+    """K^T and V quantized once per GEMM slot and the causal key blocks a chunk cannot see left
+    out: output and gradients bit for bit those of quantizing in every chunk over all keys
+    (the previous path), draws of stochastic rounding included. A stochastically rounded
+    K^T or V is still quantized at every use; stochastically rounded dS (or P) skips no key
+    block (its draws follow the operand's shape)."""
+    extents = _chunk_extents(monkeypatch)
+    module = _module(world_size_one, qk, pv, chunk_rows=32, hifp8_scaling=scaling,
+                     stochastic=stochastic)
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(n, 2, heads, 32, generator=g).to(dtype)
+              for n, heads in ((sq, 4), (sk, 2), (sk, 2))]
+    grad = torch.randn(sq, 2, 4 * 32, generator=g).to(dtype)
+    runs = []
+    for reuse in (False, True):
+        monkeypatch.setattr(QuantDotProductAttention, "share_operands", reuse)
+        monkeypatch.setattr(QuantDotProductAttention, "skip_masked_blocks", reuse)
+        randomness.start_iteration(7, 1)
+        runs.append(_run(lambda q, k, v: module(q, k, v, None), inputs, grad))
+        runs[-1] += (dict(randomness._CALLS),)
+    (out0, grads0, draws0), (out1, grads1, draws1) = runs
+    assert torch.equal(_bits(out0), _bits(out1)) and draws0 == draws1
+    for before, after in zip(grads0, grads1):
+        assert torch.equal(_bits(before), _bits(after))
+    assert all(e == sk for e in extents[0])
+    skipping = "dgrad.a" not in stochastic
+    assert any(e < sk for e in extents[1]) == skipping, extents[1]
+
+
+def test_observed_chunks_skip_no_key_block(world_size_one, monkeypatch):
+    """An observer shown the chunks (quantization telemetry) sees them whole, as before."""
+    extents = _chunk_extents(monkeypatch)
+    module = _module(world_size_one, "mxfp8", "mxfp8", chunk_rows=32)
+
+    class Pieces:
+        def bind(self, site):
+            def observe(*report, **extra):
+                pass
+            observe.accepts_pieces = True
+            return observe
+
+    observer = register_observer(Pieces())
+    try:
+        module(*_inputs(72, 2, 4, 2, 32, torch.float32), None)
+    finally:
+        unregister_observer(observer)
+    module(*_inputs(72, 2, 4, 2, 32, torch.float32), None)
+    assert all(e == 72 for e in extents[0]) and any(e < 72 for e in extents[1])
 
 
 def _saved_bytes(fn, inputs):

@@ -19,6 +19,7 @@ from megatron.evaluation.operand_stats import forward_operand_stats
 from megatron.evaluation.model_state import SiteSubset, load_model, sweep_targets
 from megatron.evaluation.specs import quant_args_for
 from megatron.quantization.formats import set_kernels
+from megatron.quantization.gemm import set_weight_cache
 from megatron.quantization.schemes import QuantConfig
 from megatron.training.initialize import (
     destroy_distributed, initialize_distributed, set_random_seeds)
@@ -61,6 +62,7 @@ def evaluate(own, args, parser, start: float) -> Dict:
 def _evaluate(own, args, parser, start: float) -> Dict:
     set_random_seeds(args.seed)
     set_kernels(args.quant_kernels)
+    set_weight_cache(args.quant_weight_cache)
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)

@@ -25,6 +25,19 @@ Three paths, chosen per call:
   are cut at multiples of 32 rows, so no MX block crosses a chunk (the last chunk keeps the
   partial tail block of the unfused path). Results equal the unfused path's up to float
   summation order.
+  Each operand is quantized once: K^T and V, which every chunk uses whole, once per GEMM
+  slot and call (the forward's fprop operands; backward's recomputation and its dgrad
+  operands), not once per chunk. Under the implicit causal mask a chunk leaves out the key
+  blocks none of its rows can see: their probabilities and score gradients are exactly zero
+  (megatron's -10000 fill underflows in the softmax), so the chunk's scores, softmax, dP, dS,
+  the quantizations of P and dS and the GEMMs producing dK and dV shrink to the keys it
+  sees, and the two GEMMs that reduce over the keys (P @ V, dS @ K) take P and dS
+  zero-padded, summing in the same order. Results are bit for bit those of quantizing in
+  every chunk over all keys (for finite inputs whose every query row has a visible score
+  above -9896), stochastic-rounding draws included: a stochastically rounded K^T or V is
+  still quantized at every use, and stochastically rounded P or dS skip no key block.
+  A chunk's fp32 scores take CHUNK_BYTES (32 MiB) on a CPU and a share of the free memory
+  on a GPU (chunk_bytes_for).
 * unfused (the reference) -- the full [b, heads, sq, sk] scores, as megatron-core computes
   them: used when an observer that needs whole operands (tensor capture) watches a site, so
   captured tensors are whole GEMM operands (observers that accept pieces, such as the
@@ -44,12 +57,18 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron.quantization.gemm import (
-    MatmulQuantConfig, SiteState, matmul_grads, quantized_matmul, whole_tensor_scale)
+    MatmulQuantConfig, SiteState, gemm_operand, gemm_result, quantize_slot, quantized_matmul,
+    whole_tensor_scale)
 from megatron.quantization.local_attention import LocalDotProductAttention
 from megatron.quantization.observers import GemmSite, accepts_pieces, observer_for
 
 MX_ROWS = 32                   # chunks start at multiples of the MX block size
 CHUNK_BYTES = 32 * 2 ** 20     # fp32 score bytes of one chunk (all groups of the micro-batch)
+# On a GPU a chunk's scores take 1/GPU_CHUNK_SHARE of the free memory (a chunk's backward holds
+# about ten tensors of that size at once), between CHUNK_BYTES and GPU_CHUNK_MAX_BYTES: larger
+# chunks launch fewer kernels, smaller ones skip more of the causal mask's empty key blocks.
+GPU_CHUNK_SHARE = 32
+GPU_CHUNK_MAX_BYTES = 512 * 2 ** 20
 
 
 def chunk_bounds(rows: int, chunk_rows: int) -> List[Tuple[int, int]]:
@@ -59,10 +78,42 @@ def chunk_bounds(rows: int, chunk_rows: int) -> List[Tuple[int, int]]:
     return [(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
 
 
-def default_chunk_rows(batch_groups: int, keys: int) -> int:
-    """Rows per chunk so that one chunk's fp32 scores take about CHUNK_BYTES."""
-    rows = CHUNK_BYTES // max(1, batch_groups * keys * 4)
+def chunk_bytes_for(free_bytes: Optional[int]) -> int:
+    """fp32 score bytes of one chunk: CHUNK_BYTES without a device memory figure (CPU), else
+    free_bytes / GPU_CHUNK_SHARE clamped to [CHUNK_BYTES, GPU_CHUNK_MAX_BYTES]."""
+    if free_bytes is None:
+        return CHUNK_BYTES
+    return int(min(GPU_CHUNK_MAX_BYTES, max(CHUNK_BYTES, free_bytes // GPU_CHUNK_SHARE)))
+
+
+def free_device_bytes(device: torch.device) -> Optional[int]:
+    """Memory a CUDA device can still give this process: what the driver reports free plus
+    what PyTorch's caching allocator holds unused; None on other devices."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def default_chunk_rows(batch_groups: int, keys: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk's fp32 scores take about `chunk_bytes`."""
+    rows = chunk_bytes // max(1, batch_groups * keys * 4)
     return max(MX_ROWS, rows // MX_ROWS * MX_ROWS)
+
+
+def chunk_key_extent(r0: int, r1: int, sq: int, sk: int) -> int:
+    """The keys [0, extent) that rows [r0, r1) of the grouped layout (row = head * sq + query
+    position) can see under the causal mask (key j is hidden from query i when
+    j > i + sk - sq), rounded up to a multiple of MX_ROWS; sk when a row of the chunk sees no
+    key at all (megatron's mask then spreads it evenly over every key)."""
+    if r1 - r0 >= sq or r0 // sq != (r1 - 1) // sq:
+        first, last = 0, sq - 1          # the chunk wraps from one head's rows to the next
+    else:
+        first, last = r0 % sq, (r1 - 1) % sq
+    if first + sk - sq < 0:
+        return sk
+    extent = last + sk - sq + 1
+    return min(sk, -(-extent // MX_ROWS) * MX_ROWS)
 
 
 def grouped_layout(query, key, value):
@@ -83,16 +134,40 @@ def heads_layout(context, query):
     return context.reshape(sq, b, -1)
 
 
-def _accumulate(total, part):
-    """K and V gather a contribution from every chunk: summed in fp32."""
+def _accumulate(total, part, shape, dim):
+    """dK^T and dV gather a contribution from every chunk, summed in fp32; a chunk that sees
+    only the first keys adds to those (`dim` is the key axis of `shape`)."""
     part = part.float()
-    return part if total is None else total.add_(part)
+    if total is None and part.shape == shape:
+        return part
+    if total is None:
+        total = part.new_zeros(shape)
+        total.narrow(dim, 0, part.size(dim)).copy_(part)
+        return total
+    total.narrow(dim, 0, part.size(dim)).add_(part)
+    return total
+
+
+def _pad_keys(t: torch.Tensor, keys: int) -> torch.Tensor:
+    """A chunk's quantized P or dS [..., rows, extent] with zeros for the keys past its extent:
+    the GEMMs that reduce over the keys (P @ V, dS @ K) then run over all keys as without
+    skipping, so they sum in the same order."""
+    n = t.size(-1)
+    if n == keys:
+        return t
+    padded = t.new_empty(*t.shape[:-1], keys)
+    padded[..., :n] = t
+    padded[..., n:] = 0
+    return padded
 
 
 # Operands the chunked path cuts into row chunks: (gemm, operand) of the QK^T and PV GEMMs.
 # A tensor-scaled operand among them must use the scale of the whole operand.
 _QUERY_SIDE = (("fprop", "a"), ("wgrad", "a"))                 # Q (QK^T), P (PV)
 _GRAD_SIDE = (("dgrad", "grad_output"), ("wgrad", "grad_output"))   # dS (QK^T), dO (PV)
+# Operand slots (gemm, side) cut along the keys when a chunk skips the keys it cannot see:
+# dS of QK^T (dgrad a, wgrad b) and P of PV (fprop a, wgrad a).
+_KEY_CUT_SLOTS = {"qk": (("dgrad", "a"), ("wgrad", "b")), "pv": (("fprop", "a"), ("wgrad", "a"))}
 
 
 def _slot_formats(config: MatmulQuantConfig) -> dict:
@@ -113,14 +188,19 @@ def _whole_scales(config: MatmulQuantConfig, keys, amax: torch.Tensor) -> dict:
             if config.tensor_scaled(formats[key])}
 
 
-def _piece_observer(observer, first: bool, skip_fprop: bool = False):
+def _stochastic_slots(config: MatmulQuantConfig, slots) -> bool:
+    return any(config.stochastic_slot(gemm, side, getattr(getattr(config, gemm), side))
+               for gemm, side in slots)
+
+
+def _piece_observer(observer, first: bool):
     """`observer` for one chunk: the b operands (K^T, V) are whole in every chunk and reported
-    with the first only; `skip_fprop` drops the forward GEMM of backward's recomputation."""
+    with the first only."""
     if observer is None:
         return None
 
     def observe(gemm, operand, *report, **extra):
-        if (skip_fprop and gemm == "fprop") or (operand == "b" and not first):
+        if operand == "b" and not first:
             return
         observer(gemm, operand, *report, **extra)
 
@@ -132,96 +212,212 @@ def _amax(pieces) -> torch.Tensor:
     return torch.stack([p.detach().abs().amax().float() for p in pieces]).amax()
 
 
+class _Shared:
+    """The b operand of one GEMM slot that every chunk uses whole: K^T (QK^T: fprop along the
+    head dim, dgrad along the keys) or V (PV: fprop along the keys, dgrad along the value dim).
+
+    Its quantization does not depend on the chunking, so it is computed once and reused by
+    every chunk when the slot is `reusable` (round to nearest, its own scale); a stochastically
+    rounded or delayed-scaled slot is quantized at every use, as the per-chunk GEMMs did (the
+    same draws, the same history steps). `share=False` quantizes at every use regardless."""
+
+    def __init__(self, config: MatmulQuantConfig, gemm: str, hp: torch.Tensor, axis: int,
+                 state: Optional[SiteState], share: bool = True):
+        self.config, self.gemm, self.hp, self.axis, self.state = config, gemm, hp, axis, state
+        self.fmt = getattr(config, gemm).b
+        self.share = share and config.reusable(gemm, "b", self.fmt)
+        self.quantized = None
+
+    def use(self, observer=None, state: Optional[SiteState] = None) -> torch.Tensor:
+        """The quantized operand (the high-precision one for format "none"), reported whole."""
+        state = state if state is not None else self.state
+        if not self.share:
+            return gemm_operand(observer, self.config, self.gemm, "b", "b", self.hp, self.fmt,
+                                self.axis, state=state)
+        if self.quantized is None:
+            self.quantized = quantize_slot(self.config, self.gemm, "b", "b", self.hp,
+                                           self.fmt, self.axis, state=state)
+        q, extra = self.quantized
+        if observer is not None:
+            observer(self.gemm, "b", self.hp, q, self.fmt, self.axis, **extra)
+        return self.hp if q is None else q
+
+
+class _Gemms:
+    """The QK^T and PV GEMM sites of one chunked attention call: configs, states, observers,
+    whether shared operands are quantized once, and the per-chunk GEMMs. They are
+    quantized_matmul's three GEMMs on 3-D operands, each operand blocked along its GEMM's
+    reduction axis (2: the last, 1: the rows) and reported as quantized_matmul reports it."""
+
+    def __init__(self, qk_site, pv_site, observers, share: bool):
+        self.qk_cfg, self.pv_cfg = (s.config if s is not None else MatmulQuantConfig()
+                                    for s in (qk_site, pv_site))
+        self.qk_state, self.pv_state = (s.state if s is not None else None
+                                        for s in (qk_site, pv_site))
+        self.observers, self.share = observers, share
+
+    def scores(self, q_c, keys: int, k_fprop: _Shared, scales, observer=None):
+        """Q_c @ K^T[:, :, :keys] (fprop of QK^T for one chunk)."""
+        cfg = self.qk_cfg
+        qa = gemm_operand(observer, cfg, "fprop", "a", "a", q_c, cfg.fprop.a, 2, scales,
+                          self.qk_state)
+        kb = k_fprop.use(observer)
+        return gemm_result(observer, "fprop", "output", torch.matmul(qa, kb[..., :keys]))
+
+    def context(self, probs, v_fprop: _Shared, scales, observer=None):
+        """P_c @ V (fprop of PV for one chunk), over all keys."""
+        cfg = self.pv_cfg
+        pa = gemm_operand(observer, cfg, "fprop", "a", "a", probs, cfg.fprop.a, 2, scales,
+                          self.pv_state)
+        vb = v_fprop.use(observer)
+        return gemm_result(observer, "fprop", "output",
+                           torch.matmul(_pad_keys(pa, vb.size(-2)), vb))
+
+    def probs_grad(self, grad_c, keys: int, v_dgrad: _Shared, scales, observer=None,
+                   state=None):
+        """dP_c = dO_c @ V[:, :keys]^T (dgrad of PV for one chunk)."""
+        cfg, state = self.pv_cfg, state if state is not None else self.pv_state
+        qg = gemm_operand(observer, cfg, "dgrad", "grad_output", "a", grad_c, cfg.dgrad.a, 2,
+                          scales, state)
+        vb = v_dgrad.use(observer, state)
+        return gemm_result(observer, "dgrad", "grad_a",
+                           torch.matmul(qg, vb[:, :keys].transpose(-1, -2)))
+
+    def value_grad(self, probs, grad_c, scales, observer=None):
+        """dV[:, :keys] contribution P_c^T @ dO_c (wgrad of PV for one chunk)."""
+        cfg = self.pv_cfg
+        pa = gemm_operand(observer, cfg, "wgrad", "a", "a", probs, cfg.wgrad.a, 1, scales,
+                          self.pv_state)
+        qg = gemm_operand(observer, cfg, "wgrad", "grad_output", "b", grad_c, cfg.wgrad.b, 1,
+                          scales, self.pv_state)
+        return gemm_result(observer, "wgrad", "grad_b", torch.matmul(pa.transpose(-1, -2), qg))
+
+    def query_grad(self, grad_scores, k_dgrad: _Shared, scales, observer=None):
+        """dQ_c = dS_c @ K (dgrad of QK^T for one chunk), over all keys."""
+        cfg = self.qk_cfg
+        qg = gemm_operand(observer, cfg, "dgrad", "grad_output", "a", grad_scores, cfg.dgrad.a,
+                          2, scales, self.qk_state)
+        kb = k_dgrad.use(observer)
+        return gemm_result(observer, "dgrad", "grad_a",
+                           torch.matmul(_pad_keys(qg, kb.size(-1)), kb.transpose(-1, -2)))
+
+    def key_grad(self, q_c, grad_scores, scales, observer=None):
+        """dK^T[:, :, :keys] contribution Q_c^T @ dS_c (wgrad of QK^T for one chunk)."""
+        cfg = self.qk_cfg
+        qa = gemm_operand(observer, cfg, "wgrad", "a", "a", q_c, cfg.wgrad.a, 1, scales,
+                          self.qk_state)
+        qg = gemm_operand(observer, cfg, "wgrad", "grad_output", "b", grad_scores, cfg.wgrad.b,
+                          1, scales, self.qk_state)
+        return gemm_result(observer, "wgrad", "grad_b", torch.matmul(qa.transpose(-1, -2), qg))
+
+
 class _ChunkedAttention(torch.autograd.Function):
-    """out[:, rows] = softmax_fn(scores_fn(q[:, rows], k_t), rows) @ v chunk by chunk (QK^T
-    and PV per their configs). Only q, k_t and v are kept: backward recomputes each chunk's
-    probabilities under autograd and runs the PV GEMM's own backward on them, the very
-    operations the unfused path's autograd runs.
+    """out[:, rows] = softmax_fn(Q[:, rows] @ K^T) @ V chunk by chunk (QK^T and PV per their
+    sites' configs). Only q, k_t and v are kept: backward recomputes each chunk's
+    probabilities and runs the GEMMs of PV's and QK^T's backward on them, the very operations
+    the unfused path's autograd runs.
+
+    K^T and V, whole in every chunk, are quantized once per GEMM slot (_Shared). Chunk i sees
+    the keys [0, extents[i]) (fewer than all under the causal mask when it skips the key blocks
+    its rows cannot see): its scores, probabilities and their gradients have that many
+    columns, and the GEMMs that reduce over the keys take them zero-padded to all keys.
 
     Tensor-scaled operands (HiFP8 with --hifp8-scaling tensor, NVFP4, FP8 tensorwise) cut into
-    chunks take the scale of the whole operand, as in the unfused path: Q and dO directly; P and dS, which exist only
-    chunk by chunk, from a first pass over the chunks that only measures their amax."""
+    chunks take the scale of the whole operand, as in the unfused path: Q and dO directly; P
+    and dS, which exist only chunk by chunk, from a first pass over the chunks that only
+    measures their amax."""
 
     @staticmethod
-    def forward(ctx, q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds, observers,
-                pv_state):
+    def forward(ctx, q, k_t, v, softmax_fn, gemms, bounds, extents):
         ctx.save_for_backward(q, k_t, v)
-        ctx.fns, ctx.cfgs, ctx.bounds = (scores_fn, softmax_fn), (qk_cfg, pv_cfg), bounds
-        ctx.observers, ctx.pv_state = observers, pv_state
-        qk_obs, pv_obs = observers
+        ctx.softmax_fn, ctx.gemms, ctx.bounds, ctx.extents = softmax_fn, gemms, bounds, extents
+        qk_cfg, pv_cfg = gemms.qk_cfg, gemms.pv_cfg
+        qk_obs, pv_obs = gemms.observers
         qk_scales, pv_scales = {}, {}
         if _needs_whole_scale(qk_cfg, _QUERY_SIDE + _GRAD_SIDE):
             qk_scales = _whole_scales(qk_cfg, _QUERY_SIDE, _amax([q]))
+        k_fprop = _Shared(qk_cfg, "fprop", k_t, 1, gemms.qk_state, gemms.share)
+        v_fprop = _Shared(pv_cfg, "fprop", v, 1, gemms.pv_state, gemms.share)
 
-        def probs(r0, r1, observer=None):
-            return softmax_fn(scores_fn(q[:, r0:r1], k_t, qk_scales, observer), r0, r1)
+        def probs(i, observer=None):
+            (r0, r1), keys = bounds[i], extents[i]
+            return softmax_fn(gemms.scores(q[:, r0:r1], keys, k_fprop, qk_scales, observer),
+                              r0, r1, keys)
 
         if _needs_whole_scale(pv_cfg, _QUERY_SIDE):
             pv_scales = _whole_scales(pv_cfg, _QUERY_SIDE,
-                                      _amax(probs(r0, r1) for r0, r1 in bounds))
+                                      _amax(probs(i) for i in range(len(bounds))))
         ctx.scales = (qk_scales, pv_scales)
         return torch.cat([
-            quantized_matmul(probs(r0, r1, _piece_observer(qk_obs, i == 0)), v, pv_cfg,
-                             observer=_piece_observer(pv_obs, i == 0), scales=pv_scales,
-                             state=pv_state)
-            for i, (r0, r1) in enumerate(bounds)], dim=1)
+            gemms.context(probs(i, _piece_observer(qk_obs, i == 0)), v_fprop, pv_scales,
+                          _piece_observer(pv_obs, i == 0))
+            for i in range(len(bounds))], dim=1)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k_t, v = ctx.saved_tensors
-        (scores_fn, softmax_fn), (qk_cfg, pv_cfg) = ctx.fns, ctx.cfgs
+        gemms, softmax_fn, bounds, extents = ctx.gemms, ctx.softmax_fn, ctx.bounds, ctx.extents
+        qk_cfg, pv_cfg = gemms.qk_cfg, gemms.pv_cfg
         qk_scales, pv_scales = (dict(s) for s in ctx.scales)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        # The recomputed forward's K^T, and the dgrad operands K^T (along the keys) and V.
+        k_fprop = _Shared(qk_cfg, "fprop", k_t, 1, gemms.qk_state, gemms.share)
+        k_dgrad = _Shared(qk_cfg, "dgrad", k_t, 2, gemms.qk_state, gemms.share)
+        v_dgrad = _Shared(pv_cfg, "dgrad", v, 2, gemms.pv_state, gemms.share)
+        shared = (k_fprop, v_dgrad)
         if _needs_whole_scale(pv_cfg, _GRAD_SIDE):
             pv_scales.update(_whole_scales(pv_cfg, _GRAD_SIDE, _amax([grad_out])))
         if _needs_whole_scale(qk_cfg, _GRAD_SIDE):
             qk_scales.update(_whole_scales(qk_cfg, _GRAD_SIDE, _amax(
-                _ChunkedAttention._score_grads(q, k_t, v, grad_out, ctx, qk_scales,
+                _ChunkedAttention._score_grads(q, grad_out, ctx, shared, qk_scales,
                                                pv_scales))))
-        qk_obs, pv_obs = ctx.observers
+        qk_obs, pv_obs = gemms.observers
         grad_q_parts, grad_k, grad_v = [], None, None
-        with torch.enable_grad():
-            k_leaf = k_t.detach().requires_grad_(need_k)
-            for i, (r0, r1) in enumerate(ctx.bounds):
-                q_leaf = q[:, r0:r1].detach().requires_grad_(need_q)
-                probs = softmax_fn(scores_fn(q_leaf, k_leaf, qk_scales,
-                                             _piece_observer(qk_obs, i == 0, skip_fprop=True)),
-                                   r0, r1)
-                grad_probs, grad_v_part = matmul_grads(
-                    probs.detach(), v, grad_out[:, r0:r1], pv_cfg,
-                    _piece_observer(pv_obs, i == 0), need_b=need_v, scales=pv_scales,
-                    state=ctx.pv_state)
-                if need_v:
-                    grad_v = _accumulate(grad_v, grad_v_part)
-                leaves = [t for t, n in ((q_leaf, need_q), (k_leaf, need_k)) if n]
-                if not leaves:
-                    continue
-                grads = list(torch.autograd.grad(probs, leaves, grad_probs))
-                if need_q:
-                    grad_q_parts.append(grads.pop(0))
-                if need_k:
-                    grad_k = _accumulate(grad_k, grads.pop(0))
+        for i, ((r0, r1), keys) in enumerate(zip(bounds, extents)):
+            # The forward GEMM of the recomputation is not reported (the forward reported it).
+            probs, scores = _ChunkedAttention._recompute(q, ctx, k_fprop, qk_scales, i,
+                                                         need_q or need_k)
+            qk_piece, pv_piece = _piece_observer(qk_obs, i == 0), _piece_observer(pv_obs, i == 0)
+            grad_c = grad_out[:, r0:r1]
+            grad_probs = gemms.probs_grad(grad_c, keys, v_dgrad, pv_scales, pv_piece)
+            if need_v:
+                grad_v = _accumulate(grad_v, gemms.value_grad(probs.detach(), grad_c, pv_scales,
+                                                              pv_piece), v.shape, 1)
+            if not (need_q or need_k):
+                continue
+            grad_scores = torch.autograd.grad(probs, scores, grad_probs)[0]
+            if need_q:
+                grad_q_parts.append(gemms.query_grad(grad_scores, k_dgrad, qk_scales, qk_piece))
+            if need_k:
+                grad_k = _accumulate(grad_k, gemms.key_grad(q[:, r0:r1], grad_scores, qk_scales,
+                                                            qk_piece), k_t.shape, 2)
         grad_q = torch.cat(grad_q_parts, dim=1) if need_q else None
         grad_k = grad_k.to(k_t.dtype) if grad_k is not None else None
         grad_v = grad_v.to(v.dtype) if grad_v is not None else None
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None
 
     @staticmethod
-    def _score_grads(q, k_t, v, grad_out, ctx, qk_scales, pv_scales):
+    def _recompute(q, ctx, k_fprop, qk_scales, i, track: bool):
+        """(probabilities, scores) of chunk i, the probabilities differentiable with respect to
+        the scores when `track`."""
+        (r0, r1), keys = ctx.bounds[i], ctx.extents[i]
+        with torch.no_grad():
+            scores = ctx.gemms.scores(q[:, r0:r1], keys, k_fprop, qk_scales)
+        scores.requires_grad_(track)
+        with torch.enable_grad():
+            return ctx.softmax_fn(scores, r0, r1, keys), scores
+
+    @staticmethod
+    def _score_grads(q, grad_out, ctx, shared, qk_scales, pv_scales):
         """dS of every chunk (the gradient reaching the QK^T GEMM), as backward computes it;
         only their amax is used."""
-        (scores_fn, softmax_fn), (_, pv_cfg) = ctx.fns, ctx.cfgs
-        with torch.enable_grad():
-            for r0, r1 in ctx.bounds:
-                with torch.no_grad():
-                    scores = scores_fn(q[:, r0:r1], k_t, qk_scales, None)
-                scores.requires_grad_(True)
-                probs = softmax_fn(scores, r0, r1)
-                # Measures amaxes only: a throwaway state, so no stochastic draws are counted.
-                grad_probs, _ = matmul_grads(probs.detach(), v, grad_out[:, r0:r1], pv_cfg,
-                                             need_b=False, scales=pv_scales,
-                                             state=SiteState("", pv_cfg))
-                yield torch.autograd.grad(probs, scores, grad_probs)[0]
+        k_fprop, v_dgrad = shared
+        for i, ((r0, r1), keys) in enumerate(zip(ctx.bounds, ctx.extents)):
+            probs, scores = _ChunkedAttention._recompute(q, ctx, k_fprop, qk_scales, i, True)
+            # Measures amaxes only: a throwaway state, so no stochastic draws are counted.
+            grad_probs = ctx.gemms.probs_grad(grad_out[:, r0:r1], keys, v_dgrad, pv_scales,
+                                              state=SiteState("", ctx.gemms.pv_cfg))
+            yield torch.autograd.grad(probs, scores, grad_probs)[0]
 
 
 class QuantDotProductAttention(LocalDotProductAttention):
@@ -230,8 +426,13 @@ class QuantDotProductAttention(LocalDotProductAttention):
     qk_site: Optional[GemmSite] = None
     pv_site: Optional[GemmSite] = None
     impl: str = "auto"     # "unfused": always the reference path (full scores)
-    # Query rows per chunk of the chunked path (a multiple of 32); None: from CHUNK_BYTES.
+    # Query rows per chunk of the chunked path (a multiple of 32); None: from the memory
+    # budget (CHUNK_BYTES on a CPU, a share of the free memory on a GPU).
     chunk_rows: Optional[int] = None
+    # K^T and V quantized once per GEMM slot and call, not once per chunk (same bits).
+    share_operands: bool = True
+    # Chunks leave out the key blocks the causal mask hides from all their rows (same bits).
+    skip_masked_blocks: bool = True
 
     @staticmethod
     def _config(site: Optional[GemmSite]) -> MatmulQuantConfig:
@@ -263,7 +464,7 @@ class QuantDotProductAttention(LocalDotProductAttention):
             return self._reference(query, key, value, attention_mask, attn_mask_type,
                                    qk_obs, pv_obs)
         q, k_t, v = grouped_layout(query, key, value)
-        context = self._chunked(q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg, query, key,
+        context = self._chunked(q, k_t, v, attention_mask, mask_type, query, key,
                                 (qk_obs, pv_obs))
         return heads_layout(context, query)
 
@@ -299,36 +500,46 @@ class QuantDotProductAttention(LocalDotProductAttention):
 
     # -- chunked: quantized, linear memory -------------------------------------------------
 
-    def _chunked(self, q, k_t, v, attention_mask, mask_type, qk_cfg, pv_cfg, query, key,
+    def _chunked(self, q, k_t, v, attention_mask, mask_type, query, key,
                  observers=(None, None)):
         sq, sk, ng, rows = query.size(0), key.size(0), key.size(2), q.size(1)
-        bounds = chunk_bounds(rows, self.chunk_rows or default_chunk_rows(q.size(0), sk))
+        chunk_rows = self.chunk_rows or default_chunk_rows(
+            q.size(0), sk, chunk_bytes_for(free_device_bytes(q.device)))
+        bounds = chunk_bounds(rows, chunk_rows)
         causal = attention_mask is None and mask_type == AttnMaskType.causal
+        gemms = _Gemms(self.qk_site, self.pv_site, observers, self.share_operands)
+        extents = [sk] * len(bounds)
+        if causal and self._skips_masked_blocks(gemms):
+            extents = [chunk_key_extent(r0, r1, sq, sk) for r0, r1 in bounds]
 
-        def chunk_mask(r0: int, r1: int):
+        def chunk_mask(r0: int, r1: int, keys: int):
             positions = torch.arange(r0, r1, device=q.device) % sq
             if causal:
                 # causal_mask(): key j is hidden from query i when j > i + sk - sq.
-                keys = torch.arange(sk, device=q.device)
-                return (keys[None, :] > positions[:, None] + (sk - sq))[None, None]
+                key_ids = torch.arange(keys, device=q.device)
+                return (key_ids[None, :] > positions[:, None] + (sk - sq))[None, None]
             if attention_mask is None:
                 return None
             mask = attention_mask[:, :, positions, :]
             # Per-sample masks [b, 1, ...] -> one per (sample, group) row block of q.
             return mask.repeat_interleave(ng, dim=0) if mask.size(0) > 1 else mask
 
-        qk_state, pv_state = self._state(self.qk_site), self._state(self.pv_site)
-
-        def scores_fn(q_c, k_t_, scales, observer):
-            return quantized_matmul(q_c, k_t_, qk_cfg, observer=observer, scales=scales,
-                                    state=qk_state)
-
-        def softmax_fn(scores, r0, r1):
+        def softmax_fn(scores, r0, r1, keys):
             scores = scores * self.softmax_scale
-            return self._masked_softmax(scores.unsqueeze(1), chunk_mask(r0, r1)).squeeze(1)
+            return self._masked_softmax(scores.unsqueeze(1), chunk_mask(r0, r1, keys)).squeeze(1)
 
-        return _ChunkedAttention.apply(q, k_t, v, scores_fn, softmax_fn, qk_cfg, pv_cfg, bounds,
-                                       observers, pv_state)
+        return _ChunkedAttention.apply(q, k_t, v, softmax_fn, gemms, bounds, extents)
+
+    def _skips_masked_blocks(self, gemms: _Gemms) -> bool:
+        """Whether chunks may leave out the key blocks the causal mask hides from all their
+        rows. Those blocks' probabilities and score gradients are exactly zero (megatron's
+        -10000 fill underflows in the softmax), so nothing changes -- except what observers
+        see (the operands would be cut), and stochastically rounded P or dS, whose draws
+        follow the operand's shape: then no block is skipped."""
+        if not self.skip_masked_blocks or any(o is not None for o in gemms.observers):
+            return False
+        return not (_stochastic_slots(gemms.qk_cfg, _KEY_CUT_SLOTS["qk"])
+                    or _stochastic_slots(gemms.pv_cfg, _KEY_CUT_SLOTS["pv"]))
 
     def _masked_softmax(self, scores, mask):
         """megatron-core's FusedScaleMaskSoftmax (its torch path), for any number of rows."""

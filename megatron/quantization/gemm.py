@@ -15,7 +15,11 @@ accumulates in fp32).
 
 A linear layer y = x @ W^T + b is the matmul with A = x (all leading token dims flattened to
 M) and B = W^T, so its weight [N, K] is blocked along its last axis in fprop and along axis 0
-in dgrad, and wgrad blocks dY and x along the flattened token axis.
+in dgrad, and wgrad blocks dY and x along the flattened token axis. The two quantized copies
+of a weight are kept in the site's state and reused by every micro-batch (and recomputed
+forward) until the weight changes: every optimizer step drops them (see _weight_operand).
+Stochastically rounded and delayed-scaled weights are quantized at every call, as the other
+operands are.
 
 Observers. When `observer` is given it is called as
 `observer(gemm, operand, hp, q, fmt, axis)` for every operand of every GEMM that runs (q=None
@@ -52,6 +56,7 @@ from typing import Callable, FrozenSet, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron.quantization import randomness
 from megatron.quantization.delayed_scaling import AMAX_COMPUTE_ALGOS, AmaxHistories
@@ -67,7 +72,9 @@ from megatron.quantization.formats import (
 
 __all__ = ["OperandFormats", "MatmulQuantConfig", "Fp8Settings", "SiteState",
            "quantized_matmul", "quantized_linear", "matmul_grads", "quantize_operand",
-           "HIFP8_SCALINGS", "FP8_RECIPES", "RHT_BLOCKS", "OPERAND_SLOTS"]
+           "quantize_slot", "gemm_operand", "gemm_result", "set_weight_cache",
+           "invalidate_weight_cache", "HIFP8_SCALINGS", "FP8_RECIPES", "RHT_BLOCKS",
+           "OPERAND_SLOTS"]
 
 HIFP8_SCALINGS = ("none", "tensor")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
@@ -230,6 +237,13 @@ class MatmulQuantConfig:
         return (f"{gemm}.{side}" in self.stochastic and fmt != "none"
                 and format_info(fmt).kind in _STOCHASTIC_KINDS)
 
+    def reusable(self, gemm: str, side: str, fmt: str) -> bool:
+        """True when quantizing the same tensor again in slot gemm.side gives the same bits, so
+        one quantization may serve several uses: round to nearest and a scale from the tensor
+        itself. A stochastically rounded operand draws anew at every call and a delayed-scaled
+        one steps its amax history, so those are quantized at every use."""
+        return not self.stochastic_slot(gemm, side, fmt) and not self.delayed(fmt)
+
 
 def whole_tensor_scale(fmt: str, amax: torch.Tensor):
     """The imposed scale of a tensor-scaled operand quantized in pieces, from the amax of the
@@ -273,7 +287,8 @@ def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantC
 
 class SiteState:
     """What a GEMM site keeps between calls: its global module path (the key of its
-    stochastic-rounding draws) and, for delayed FP8 scaling, its amax histories."""
+    stochastic-rounding draws), for delayed FP8 scaling its amax histories, and the
+    quantized copies of its weight (see _weight_operand)."""
 
     def __init__(self, path: str, config: MatmulQuantConfig):
         self.path = path
@@ -281,10 +296,31 @@ class SiteState:
         uses_delayed = any(config.delayed(f) for f in config.formats)
         self.amax = AmaxHistories(fp8.amax_history_len, fp8.amax_compute_algo) \
             if uses_delayed else None
+        # gemm -> (key, transformed weight, its quantization, report keywords)
+        self.weights = {}
 
 
-def _operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None, state=None,
-             weight=False):
+def quantize_slot(config, gemm, name, side, hp, fmt, axis, scales=None, state=None,
+                  weight=False):
+    """(q, extra): one GEMM operand quantized (q None for fmt "none") and the keywords that
+    besides (fmt, axis, config) determined q (what the observer is given)."""
+    if fmt == "none":
+        return None, {}
+    extra = {}
+    imposed = scales.get((gemm, name)) if scales else None
+    if state is not None and state.amax is not None and config.delayed(fmt):
+        extra["amax"] = state.amax.step((gemm, name), hp)
+    elif imposed is not None and config.tensor_scaled(fmt):
+        extra["scale_exponent" if fmt == "hifp8" else "amax"] = imposed
+    if config.stochastic_slot(gemm, side, fmt):
+        extra["seed"] = randomness.draw_seed(state.path if state else "", gemm, name)
+    if weight and config.weight_tiles(fmt):
+        extra["weight"] = True
+    return quantize_operand(hp, fmt, axis, config, **extra), extra
+
+
+def gemm_operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None, state=None,
+                 weight=False):
     """Quantize one GEMM operand (or pass it through) and report it. `scales` maps
     (gemm, name) to imposed per-tensor scales (operands cut into chunks, see
     whole_tensor_scale); `state` is the site's SiteState (stochastic draws, amax histories).
@@ -292,22 +328,71 @@ def _operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None, sta
     The observer receives, as keywords, whatever besides (fmt, axis, config) determined q:
     scale_exponent (imposed HiFP8 scale), amax (imposed or delayed NVFP4/FP8 amax, a 0-d
     tensor), seed (stochastic rounding), weight=True (a weight in 2-D tiles)."""
-    q = None
-    extra = {}
-    if fmt != "none":
-        imposed = scales.get((gemm, name)) if scales else None
-        if state is not None and state.amax is not None and config.delayed(fmt):
-            extra["amax"] = state.amax.step((gemm, name), hp)
-        elif imposed is not None and config.tensor_scaled(fmt):
-            extra["scale_exponent" if fmt == "hifp8" else "amax"] = imposed
-        if config.stochastic_slot(gemm, side, fmt):
-            extra["seed"] = randomness.draw_seed(state.path if state else "", gemm, name)
-        if weight and config.weight_tiles(fmt):
-            extra["weight"] = True
-        q = quantize_operand(hp, fmt, axis, config, **extra)
+    q, extra = quantize_slot(config, gemm, name, side, hp, fmt, axis, scales, state, weight)
     if observer is not None:
         observer(gemm, name, hp, q, fmt, axis, **extra)
     return hp if q is None else q
+
+
+# -- weights: quantized once per optimizer step -------------------------------------------------
+
+_WEIGHT_CACHE = {"enabled": True, "generation": 0, "hook": None}
+
+
+def set_weight_cache(enabled: bool = True) -> None:
+    """Keep (default) or drop the quantized copies of the weights between GEMM calls."""
+    _WEIGHT_CACHE["enabled"] = bool(enabled)
+
+
+def invalidate_weight_cache(*_args) -> None:
+    """Forget every quantized weight copy (runs after every optimizer step). A weight written
+    without an optimizer step and without autograd's version counter seeing it (through
+    `param.data`) needs this call before the next forward."""
+    _WEIGHT_CACHE["generation"] += 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Invalidate the quantized weights after every optimizer step (a global torch.optim post
+    hook, registered once). megatron-core's mixed-precision and distributed optimizers write
+    the updated weights through `param.data`, which autograd's version counter does not see;
+    they do run a torch.optim optimizer's step first."""
+    if _WEIGHT_CACHE["hook"] is None:
+        _WEIGHT_CACHE["hook"] = register_optimizer_step_post_hook(invalidate_weight_cache)
+
+
+def _weight_operand(observer, config, gemm, weight, axis, state):
+    """The weight operand of a linear GEMM (fprop or dgrad), quantized along `axis` (the
+    GEMM's reduction axis, after the random Hadamard transform along it when the GEMM has
+    one), and reported.
+
+    The weight changes only at the optimizer step, so its quantization is kept in the site's
+    state and reused by every micro-batch (and by recomputed forwards) until then: the key is
+    the optimizer-step generation, the weight's storage, autograd's version counter (an
+    in-place write) and the config. Stochastically rounded and delayed-scaled weights are
+    quantized at every call (each call draws anew / steps its history), as before. The cost
+    is memory: a quantized linear site holds two more copies of its weight (fprop, dgrad)."""
+    fmt = getattr(config, gemm).b
+    cached = (_WEIGHT_CACHE["enabled"] and fmt != "none" and state is not None
+              and config.reusable(gemm, "b", fmt))
+    key = None
+    if cached:
+        key = (_WEIGHT_CACHE["generation"], weight.data_ptr(), weight._version,
+               tuple(weight.shape), weight.dtype, weight.device, config)
+        entry = state.weights.get(gemm)
+        if entry is not None and entry[0] == key:
+            _, w_in, q, extra = entry
+            if observer is not None:
+                observer(gemm, "weight", w_in, q, fmt, axis, **extra)
+            return q
+    w_in = _rotated(weight, axis, config) if gemm in config.rht_gemms else weight
+    q, extra = quantize_slot(config, gemm, "weight", "b", w_in, fmt, axis, state=state,
+                             weight=True)
+    if observer is not None:
+        observer(gemm, "weight", w_in, q, fmt, axis, **extra)
+    if cached:
+        _watch_optimizer_steps()
+        state.weights[gemm] = (key, w_in, q, extra)
+    return w_in if q is None else q
 
 
 def _rotated(t: torch.Tensor, axis: int, config: MatmulQuantConfig) -> torch.Tensor:
@@ -321,7 +406,8 @@ def _rotated(t: torch.Tensor, axis: int, config: MatmulQuantConfig) -> torch.Ten
     return random_hadamard_transform(t, axis=axis, block=config.rht_block, seed=config.rht_seed)
 
 
-def _result(observer, gemm, name, value):
+def gemm_result(observer, gemm, name, value):
+    """Report a GEMM's result (q=None, fmt "none", axis None) and return it."""
     if observer is not None:
         observer(gemm, name, value, None, "none", None)
     return value
@@ -332,11 +418,11 @@ class _QuantizedMatmul(torch.autograd.Function):
     def forward(ctx, a, b, config, observer, scales, state):
         ctx.save_for_backward(a, b)
         ctx.config, ctx.observer, ctx.scales, ctx.state = config, observer, scales, state
-        qa = _operand(observer, config, "fprop", "a", "a", a, config.fprop.a, a.dim() - 1,
-                      scales, state)
-        qb = _operand(observer, config, "fprop", "b", "b", b, config.fprop.b, b.dim() - 2,
-                      scales, state)
-        return _result(observer, "fprop", "output", torch.matmul(qa, qb))
+        qa = gemm_operand(observer, config, "fprop", "a", "a", a, config.fprop.a, a.dim() - 1,
+                          scales, state)
+        qb = gemm_operand(observer, config, "fprop", "b", "b", b, config.fprop.b, b.dim() - 2,
+                          scales, state)
+        return gemm_result(observer, "fprop", "output", torch.matmul(qa, qb))
 
     @staticmethod
     def backward(ctx, grad_c):
@@ -352,17 +438,17 @@ def matmul_grads(a, b, grad_c, config: MatmulQuantConfig, observer=None, need_a:
     """(dA, dB) of C = A @ B: the dgrad and wgrad GEMMs quantized_matmul's backward runs."""
     grad_a = grad_b = None
     if need_a:
-        qg = _operand(observer, config, "dgrad", "grad_output", "a", grad_c, config.dgrad.a,
-                      grad_c.dim() - 1, scales, state)
-        qb = _operand(observer, config, "dgrad", "b", "b", b, config.dgrad.b, b.dim() - 1,
-                      scales, state)
-        grad_a = _result(observer, "dgrad", "grad_a", torch.matmul(qg, qb.transpose(-1, -2)))
+        qg = gemm_operand(observer, config, "dgrad", "grad_output", "a", grad_c, config.dgrad.a,
+                          grad_c.dim() - 1, scales, state)
+        qb = gemm_operand(observer, config, "dgrad", "b", "b", b, config.dgrad.b, b.dim() - 1,
+                          scales, state)
+        grad_a = gemm_result(observer, "dgrad", "grad_a", torch.matmul(qg, qb.transpose(-1, -2)))
     if need_b:
-        qa = _operand(observer, config, "wgrad", "a", "a", a, config.wgrad.a, a.dim() - 2,
-                      scales, state)
-        qg = _operand(observer, config, "wgrad", "grad_output", "b", grad_c, config.wgrad.b,
-                      grad_c.dim() - 2, scales, state)
-        grad_b = _result(observer, "wgrad", "grad_b", torch.matmul(qa.transpose(-1, -2), qg))
+        qa = gemm_operand(observer, config, "wgrad", "a", "a", a, config.wgrad.a, a.dim() - 2,
+                          scales, state)
+        qg = gemm_operand(observer, config, "wgrad", "grad_output", "b", grad_c, config.wgrad.b,
+                          grad_c.dim() - 2, scales, state)
+        grad_b = gemm_result(observer, "wgrad", "grad_b", torch.matmul(qa.transpose(-1, -2), qg))
     return grad_a, grad_b
 
 
@@ -371,14 +457,13 @@ class _QuantizedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, config, observer, state):
         ctx.save_for_backward(x, weight)
         ctx.config, ctx.observer, ctx.state = config, observer, state
-        x_in, w_in = x, weight
+        x_in = x
         if "fprop" in config.rht_gemms:      # reduction over K: x's last axis, W's axis 1
-            x_in, w_in = _rotated(x, x.dim() - 1, config), _rotated(weight, 1, config)
-        qx = _operand(observer, config, "fprop", "input", "a", x_in, config.fprop.a,
-                      x.dim() - 1, state=state)
-        qw = _operand(observer, config, "fprop", "weight", "b", w_in, config.fprop.b, 1,
-                      state=state, weight=True)
-        return _result(observer, "fprop", "output", F.linear(qx, qw, bias))
+            x_in = _rotated(x, x.dim() - 1, config)
+        qx = gemm_operand(observer, config, "fprop", "input", "a", x_in, config.fprop.a,
+                          x.dim() - 1, state=state)
+        qw = _weight_operand(observer, config, "fprop", weight, 1, state)
+        return gemm_result(observer, "fprop", "output", F.linear(qx, qw, bias))
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -388,24 +473,23 @@ class _QuantizedLinear(torch.autograd.Function):
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
             # dX = dY @ W: reduction over N, the last axis of dY and axis 0 of W.
-            g_in, w_in = grad_y, weight
+            g_in = grad_y
             if "dgrad" in config.rht_gemms:
-                g_in, w_in = _rotated(grad_y, grad_y.dim() - 1, config), _rotated(weight, 0, config)
-            qg = _operand(observer, config, "dgrad", "grad_output", "a", g_in, config.dgrad.a,
-                          grad_y.dim() - 1, state=state)
-            qw = _operand(observer, config, "dgrad", "weight", "b", w_in, config.dgrad.b, 0,
-                          state=state, weight=True)
-            grad_x = _result(observer, "dgrad", "grad_input", torch.matmul(qg, qw))
+                g_in = _rotated(grad_y, grad_y.dim() - 1, config)
+            qg = gemm_operand(observer, config, "dgrad", "grad_output", "a", g_in, config.dgrad.a,
+                              grad_y.dim() - 1, state=state)
+            qw = _weight_operand(observer, config, "dgrad", weight, 0, state)
+            grad_x = gemm_result(observer, "dgrad", "grad_input", torch.matmul(qg, qw))
         if ctx.needs_input_grad[1]:
             # dW = dY^T @ X: reduction over all tokens, flattened to one M axis.
             g2, x2 = grad_y.reshape(-1, n), x.reshape(-1, k)
             if "wgrad" in config.rht_gemms:
                 g2, x2 = _rotated(g2, 0, config), _rotated(x2, 0, config)
-            qg = _operand(observer, config, "wgrad", "grad_output", "b", g2, config.wgrad.b, 0,
-                          state=state)
-            qx = _operand(observer, config, "wgrad", "input", "a", x2, config.wgrad.a, 0,
-                          state=state)
-            grad_w = _result(observer, "wgrad", "grad_weight", torch.matmul(qg.t(), qx))
+            qg = gemm_operand(observer, config, "wgrad", "grad_output", "b", g2, config.wgrad.b, 0,
+                              state=state)
+            qx = gemm_operand(observer, config, "wgrad", "input", "a", x2, config.wgrad.a, 0,
+                              state=state)
+            grad_w = gemm_result(observer, "wgrad", "grad_weight", torch.matmul(qg.t(), qx))
         if ctx.needs_input_grad[2]:
             grad_bias = grad_y.reshape(-1, n).sum(0)
         return grad_x, grad_w, grad_bias, None, None, None

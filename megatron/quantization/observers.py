@@ -79,7 +79,7 @@ def observer_for(site: GemmSite):
 def accepts_pieces(observer) -> bool:
     """Whether `observer` (a bound observer) may be shown an operand piece by piece (chunked
     attention, each piece once) instead of whole. Every observer receives, as keywords, what
-    besides (fmt, axis, config) determined a quantized operand (gemm.py's _operand:
+    besides (fmt, axis, config) determined a quantized operand (gemm.py's gemm_operand:
     scale_exponent, amax, seed, weight); with a piece of a tensor-scaled operand that is the
     scale of the whole operand."""
     return bool(getattr(observer, "accepts_pieces", False))

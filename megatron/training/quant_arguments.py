@@ -91,6 +91,13 @@ def add_quantization_args(parser):
                             "elsewhere), triton (the Triton kernels, an error for anything "
                             "they do not cover), compile (torch.compile of the PyTorch "
                             "code) or eager (plain PyTorch).")
+    group.add_argument("--quant-weight-cache", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="Keep each quantized linear weight's QDQ copy per GEMM axis until "
+                            "the next optimizer step (every micro-batch and recomputed forward "
+                            "reuses it; bit for bit the same numbers). Costs two copies of every "
+                            "quantized weight, which the memory estimate does not count; "
+                            "--no-quant-weight-cache quantizes at every use.")
     group.add_argument("--quant-compile", action="store_true",
                        help="Same as --quant-kernels compile: run fake quantization through "
                             "torch.compile (fused kernels; results are bit for bit those of "

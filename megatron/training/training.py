@@ -32,6 +32,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.quantization import randomness
 from megatron.quantization.converter import describe_sites
 from megatron.quantization.formats import set_kernels
+from megatron.quantization.gemm import set_weight_cache
 from megatron.tensor_capture.callback import TensorCaptureCallback
 from megatron.training import checkpointing
 from megatron.training.arguments import format_args, parse_args, validate_args
@@ -525,6 +526,7 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     print_rank_0(format_args(args))
     set_kernels(args.quant_kernels)
+    set_weight_cache(args.quant_weight_cache)
     if args.use_flash_attn:
         print_rank_0("note: --use-flash-attn: attention uses the fused kernel by itself "
                      "wherever nothing in attention is quantized")

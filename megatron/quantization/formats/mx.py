@@ -57,7 +57,8 @@ def _exponents_from_scales(up: torch.Tensor) -> torch.Tensor:
 def _block_amax(blocks: torch.Tensor, dim: int, scratch: Optional[torch.Tensor] = None):
     """max |x| over `dim`: NaN if the block holds a NaN, Inf if it holds +-Inf.
 
-    `scratch`, a tensor like `blocks` that may be overwritten, saves an allocation for bf16.
+    `scratch`, a tensor like `blocks` that may be overwritten, saves the allocation of the
+    full-size |x|.
     """
     if blocks.dtype == torch.bfloat16:
         # bf16 float reductions are slow on CPU; for |x| the 15 low bits order like the values
@@ -65,8 +66,9 @@ def _block_amax(blocks: torch.Tensor, dim: int, scratch: Optional[torch.Tensor] 
         out = None if scratch is None else scratch.view(torch.int16)
         magnitude = torch.bitwise_and(blocks.view(torch.int16), 0x7FFF, out=out)
         return magnitude.amax(dim, keepdim=True).view(torch.bfloat16)
-    # max(max, -min): two reductions instead of a full-size |x| temporary; both propagate NaN.
-    return torch.maximum(blocks.amax(dim, keepdim=True), blocks.amin(dim, keepdim=True).neg_())
+    # One pass for |x| and one reduction (abs and amax propagate NaN): on a CPU about half the
+    # time of max(max x, -min x) when the blocks lie along the innermost axis.
+    return torch.abs(blocks, out=scratch).amax(dim, keepdim=True)
 
 
 def _mx_fake_quantize(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
