@@ -124,6 +124,14 @@ def _scales(blocks: torch.Tensor, dims, amax: Optional[torch.Tensor]):
     is False when x holds NaN/Inf or the imposed amax is not finite."""
     block_amax = _block_amax(blocks, dims)
     data_amax = block_amax.amax()        # max |x|: NaN if any NaN, else Inf if any Inf
+    amax, s_enc, s_dec, finite = tensor_scales(data_amax, amax)
+    return _block_scales(block_amax, s_enc), amax, s_dec, finite
+
+
+def tensor_scales(data_amax: torch.Tensor, amax: Optional[torch.Tensor]):
+    """(amax, s_enc, s_dec, finite) of a tensor whose max |x| is `data_amax`: the amax the
+    tensor scale comes from (imposed, or the data's), its encode and decode scales, and a 0-d
+    bool that is False when the data holds NaN/Inf or the imposed amax is not finite."""
     finite = torch.isfinite(data_amax)
     if amax is None:
         amax = data_amax
@@ -131,7 +139,7 @@ def _scales(blocks: torch.Tensor, dims, amax: Optional[torch.Tensor]):
         amax = amax.to(torch.float32)
         finite = finite & torch.isfinite(amax)
     s_enc, s_dec = _tensor_scales(amax)
-    return _block_scales(block_amax, s_enc), amax, s_dec, finite
+    return amax, s_enc, s_dec, finite
 
 
 # --------------------------------------------------------------------------------------------

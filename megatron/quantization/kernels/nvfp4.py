@@ -27,7 +27,7 @@ import triton.language as tl
 
 from megatron.quantization.formats.common import NVFP4_BLOCK_SIZE
 from megatron.quantization.formats.nvfp4 import (
-    _ONE_OVER_2688_F32, FLT_MAX, _ONE_SIXTH_F32, _tensor_scales)
+    _ONE_OVER_2688_F32, FLT_MAX, _ONE_SIXTH_F32, tensor_scales)
 from megatron.quantization.kernels.bits import load_bits, pack, round_to_grid, store_bits
 
 GROUP = 128         # blocks of 16 per program: 2048 elements
@@ -95,13 +95,7 @@ def nvfp4_fake_quantize_triton(x: torch.Tensor, axis: int, noise: Optional[torch
     # max |x| without a |x| temporary: NaN if any NaN, else Inf if any Inf (abs: max(0, -0)
     # may be -0).
     data_amax = torch.maximum(x.amax(), x.amin().neg()).abs().float()
-    finite = torch.isfinite(data_amax)
-    if amax is None:
-        amax = data_amax
-    else:
-        amax = amax.to(torch.float32)
-        finite = finite & torch.isfinite(amax)
-    s_enc, s_dec = _tensor_scales(amax)
+    amax, s_enc, s_dec, finite = tensor_scales(data_amax, amax)
     scales = torch.stack([s_enc * _ONE_SIXTH_F32, s_dec, amax, finite.float()]).float()
     length = x.shape[axis]
     inner = math.prod(x.shape[axis + 1:])
