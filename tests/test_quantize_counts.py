@@ -13,6 +13,7 @@ import pretrain_gpt
 from megatron.quantization import attention as attention_module
 from megatron.quantization import gemm as gemm_module
 from megatron.quantization.attention import QuantDotProductAttention
+from megatron.training import training as training_module
 from megatron.training.training import TrainingCallback, pretrain
 
 from conftest import TINY_MOCK_ARGS
@@ -84,6 +85,8 @@ def _previous_behaviour(monkeypatch):
         patch.setattr(QuantDotProductAttention, "share_operands", False)
         patch.setattr(QuantDotProductAttention, "skip_masked_blocks", False)
         gemm_module.set_weight_cache(False)
+        # A run sets the cache from --quant-weight-cache at start: keep it off.
+        patch.setattr(training_module, "set_weight_cache", lambda enabled=True: None)
         try:
             yield
         finally:
