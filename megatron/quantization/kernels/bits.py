@@ -13,6 +13,23 @@ import triton.language as tl
 
 
 @triton.jit
+def block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_: tl.constexpr,
+                  SIZE: tl.constexpr):
+    """(offsets, mask), each [GROUP_, SIZE]: this program's GROUP_ blocks of SIZE elements
+    along the quantized axis of a tensor viewed as [outer, length, inner] (a short last block
+    masked), read in place whatever the axis."""
+    block = tl.program_id(0).to(tl.int64) * GROUP_ + tl.arange(0, GROUP_)
+    col = block % inner
+    row = block // inner
+    nb = row % blocks_per_row
+    outer = row // blocks_per_row
+    n = nb[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
+    mask = (block < n_blocks)[:, None] & (n < length)
+    offs = (outer[:, None] * length + n) * inner + col[:, None]
+    return offs, mask
+
+
+@triton.jit
 def load_bits(ptr, offs, mask, IS_BF16: tl.constexpr):
     """float32 bit patterns (int32) of the float32 or bf16 (read as int16) values at offs."""
     if IS_BF16:

@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from megatron.quantization.formats.common import _INFO, MX_BLOCK_SIZE
-from megatron.quantization.kernels.bits import load_bits, pack, round_to_grid, store_bits
+from megatron.quantization.kernels.bits import (
+    block_offsets, load_bits, pack, round_to_grid, store_bits)
 
 GROUP = 64          # blocks of 32 per program: 2048 elements
 
@@ -46,15 +47,7 @@ def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_
                    EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                    TOP_SIG: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr,
                    STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
-    block = tl.program_id(0).to(tl.int64) * GROUP_ + tl.arange(0, GROUP_)
-    col = block % inner
-    row = block // inner
-    nb = row % blocks_per_row
-    outer = row // blocks_per_row
-    lane = tl.arange(0, 32)
-    n = nb[:, None] * 32 + lane[None, :]
-    mask = (block < n_blocks)[:, None] & (n < length)
-    offs = (outer[:, None] * length + n) * inner + col[:, None]
+    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 32)
     u = load_bits(x_ptr, offs, mask, IS_BF16)
     mag = u & 0x7FFFFFFF
 

@@ -28,7 +28,8 @@ import triton.language as tl
 from megatron.quantization.formats.common import NVFP4_BLOCK_SIZE
 from megatron.quantization.formats.nvfp4 import (
     _ONE_OVER_2688_F32, FLT_MAX, _ONE_SIXTH_F32, tensor_scales)
-from megatron.quantization.kernels.bits import load_bits, pack, round_to_grid, store_bits
+from megatron.quantization.kernels.bits import (
+    block_offsets, load_bits, pack, round_to_grid, store_bits)
 
 GROUP = 128         # blocks of 16 per program: 2048 elements
 # The float32 constants as the kernel writes them (Python floats that are float32 values).
@@ -41,15 +42,7 @@ assert _FLT_MAX == FLT_MAX and _RECIP_2688 == _ONE_OVER_2688_F32
 def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, scales_ptr, n_blocks, length, inner,
                       blocks_per_row, STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr,
                       GROUP_: tl.constexpr):
-    block = tl.program_id(0).to(tl.int64) * GROUP_ + tl.arange(0, GROUP_)
-    col = block % inner
-    row = block // inner
-    nb = row % blocks_per_row
-    outer = row // blocks_per_row
-    lane = tl.arange(0, 16)
-    n = nb[:, None] * 16 + lane[None, :]
-    mask = (block < n_blocks)[:, None] & (n < length)
-    offs = (outer[:, None] * length + n) * inner + col[:, None]
+    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 16)
     u = load_bits(x_ptr, offs, mask, IS_BF16)
 
     per_unit = tl.load(scales_ptr)          # f32(s_enc * f32(1/6))
