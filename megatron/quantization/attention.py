@@ -15,7 +15,10 @@ Three paths, chosen per call:
 
 * fused -- nothing in attention is quantized and nothing observes it (bf16 and linear_*
   schemes): `scaled_dot_product_attention` with `is_causal=True` (no materialised mask), so
-  CUDA picks its flash or memory-efficient kernel, in training too.
+  CUDA picks its flash or memory-efficient kernel, in training too. Grouped K/V heads are
+  passed as they are (enable_gqa) where flash attention can take them, and expanded to one
+  head per query head where it cannot on CUDA (sdpa_needs_expanded_kv), so no case falls to
+  SDPA's math kernel and its full scores.
 * chunked -- QK^T or PV quantized: the query rows are processed in chunks of a multiple of 32
   rows. A chunk computes its full score rows, the softmax and P @ V; only Q, K and V are
   saved, and backward recomputes each chunk (dK and dV accumulate over chunks, in fp32).
@@ -420,6 +423,27 @@ class _ChunkedAttention(torch.autograd.Function):
             yield torch.autograd.grad(probs, scores, grad_probs)[0]
 
 
+# What CUDA's flash attention takes: fp16/bf16, no attn_mask, equal q/k/v head dims <= 256.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def sdpa_needs_expanded_kv(device_type: str, dtype: torch.dtype, masked: bool, grouped: bool,
+                           head_dim: int, value_head_dim: int) -> bool:
+    """Whether grouped K and V must reach SDPA expanded to one head per query head rather than
+    with enable_gqa. On CUDA (torch 2.5-2.13) flash is the one kernel sure to take enable_gqa:
+    the memory-efficient kernel refuses it, cuDNN's takes it on some GPUs only and by default
+    ranks after the math kernel, which materialises the [b, heads, sq, sk] scores. So where
+    flash cannot run (fp32, an explicit mask, head dims over 256 or unequal) the heads are
+    expanded, which the memory-efficient kernel takes. The CPU's flash kernel takes
+    masks, fp32 and enable_gqa."""
+    if not grouped or device_type != "cuda":
+        return False
+    flash_runs = (dtype in FLASH_DTYPES and not masked
+                  and head_dim == value_head_dim <= FLASH_MAX_HEAD_DIM)
+    return not flash_runs
+
+
 class QuantDotProductAttention(LocalDotProductAttention):
     """Core attention whose QK^T and PV GEMMs are independently quantized sites."""
 
@@ -494,8 +518,15 @@ class QuantDotProductAttention(LocalDotProductAttention):
             causal = False
         elif attention_mask is not None:
             allowed = ~attention_mask     # megatron: True = masked; SDPA: True = attend
+        grouped = ng != np_
+        if sdpa_needs_expanded_kv(q.device.type, q.dtype, allowed is not None, grouped,
+                                  q.size(-1), v.size(-1)):
+            # enable_gqa here would fall to the math kernel (full scores). Query head h
+            # reads group h // (np / ng), as with enable_gqa.
+            k, v = (t.repeat_interleave(np_ // ng, dim=1) for t in (k, v))
+            grouped = False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=causal,
-                                             scale=self.softmax_scale, enable_gqa=ng != np_)
+                                             scale=self.softmax_scale, enable_gqa=grouped)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     # -- chunked: quantized, linear memory -------------------------------------------------
