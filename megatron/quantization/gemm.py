@@ -60,6 +60,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron.quantization import randomness
 from megatron.quantization.delayed_scaling import AMAX_COMPUTE_ALGOS, AmaxHistories
+from megatron.quantization.main_grad import (
+    accumulates_into_main_grad, add_to_main_grad, fp32_product)
+from megatron.quantization.tp_comm import TensorParallelComm
 from megatron.quantization.formats import (
     SCALE_MODES,
     canonical_format,
@@ -454,9 +457,12 @@ def matmul_grads(a, b, grad_c, config: MatmulQuantConfig, observer=None, need_a:
 
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, config, observer, state):
+    def forward(ctx, x, weight, bias, config, observer, state, comm, fuse_wgrad):
+        # Only the local shard of a sequence-parallel input is kept; backward gathers it again.
         ctx.save_for_backward(x, weight)
         ctx.config, ctx.observer, ctx.state = config, observer, state
+        ctx.comm, ctx.fuse_wgrad = comm, fuse_wgrad
+        x, _ = comm.gather_input(x) if comm is not None else (x, None)
         x_in = x
         if "fprop" in config.rht_gemms:      # reduction over K: x's last axis, W's axis 1
             x_in = _rotated(x, x.dim() - 1, config)
@@ -468,10 +474,15 @@ class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        config, observer, state = ctx.config, ctx.observer, ctx.state
+        config, observer, state, comm = ctx.config, ctx.observer, ctx.state, ctx.comm
+        need_x, need_w, need_bias = ctx.needs_input_grad[:3]
         n, k = weight.shape
         grad_x = grad_w = grad_bias = None
-        if ctx.needs_input_grad[0]:
+        wait_x = wait_grad_x = None
+        if need_w and comm is not None:
+            # The sequence-parallel input is gathered again while the dgrad GEMM runs.
+            x, wait_x = comm.gather_input(x, async_op=True)
+        if need_x:
             # dX = dY @ W: reduction over N, the last axis of dY and axis 0 of W.
             g_in = grad_y
             if "dgrad" in config.rht_gemms:
@@ -480,19 +491,36 @@ class _QuantizedLinear(torch.autograd.Function):
                               grad_y.dim() - 1, state=state)
             qw = _weight_operand(observer, config, "dgrad", weight, 0, state)
             grad_x = gemm_result(observer, "dgrad", "grad_input", torch.matmul(qg, qw))
-        if ctx.needs_input_grad[1]:
-            # dW = dY^T @ X: reduction over all tokens, flattened to one M axis.
-            g2, x2 = grad_y.reshape(-1, n), x.reshape(-1, k)
-            if "wgrad" in config.rht_gemms:
-                g2, x2 = _rotated(g2, 0, config), _rotated(x2, 0, config)
-            qg = gemm_operand(observer, config, "wgrad", "grad_output", "b", g2, config.wgrad.b, 0,
-                              state=state)
-            qx = gemm_operand(observer, config, "wgrad", "input", "a", x2, config.wgrad.a, 0,
-                              state=state)
-            grad_w = gemm_result(observer, "wgrad", "grad_weight", torch.matmul(qg.t(), qx))
-        if ctx.needs_input_grad[2]:
+            if comm is not None:
+                # Reduce-scattered (sequence parallel) or all-reduced while wgrad runs.
+                grad_x, wait_grad_x = comm.reduce_input_grad(grad_x, async_op=need_w)
+        if need_w:
+            if wait_x is not None:
+                wait_x()
+            grad_w = _weight_grad(grad_y.reshape(-1, n), x.reshape(-1, k), weight, config,
+                                  observer, state, ctx.fuse_wgrad)
+        if need_bias:
             grad_bias = grad_y.reshape(-1, n).sum(0)
-        return grad_x, grad_w, grad_bias, None, None, None
+        if wait_grad_x is not None:
+            wait_grad_x()
+        return grad_x, grad_w, grad_bias, None, None, None, None, None
+
+
+def _weight_grad(g2, x2, weight, config, observer, state, fuse: bool):
+    """dW = dY^T @ X, the reduction over all tokens flattened to one M axis. With `fuse` and a
+    weight of a DistributedDataParallel model, dW is summed into weight.main_grad in fp32 and
+    the placeholder autograd receives is returned (main_grad.py); the observer sees the fp32
+    product either way."""
+    if "wgrad" in config.rht_gemms:
+        g2, x2 = _rotated(g2, 0, config), _rotated(x2, 0, config)
+    qg = gemm_operand(observer, config, "wgrad", "grad_output", "b", g2, config.wgrad.b, 0,
+                      state=state)
+    qx = gemm_operand(observer, config, "wgrad", "input", "a", x2, config.wgrad.a, 0,
+                      state=state)
+    if not (fuse and accumulates_into_main_grad(weight)):
+        return gemm_result(observer, "wgrad", "grad_weight", torch.matmul(qg.t(), qx))
+    product = gemm_result(observer, "wgrad", "grad_weight", fp32_product(qg.t(), qx))
+    return add_to_main_grad(weight, product)
 
 
 def quantized_matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulQuantConfig,
@@ -520,19 +548,25 @@ def quantized_matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulQuantConfig
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      config: MatmulQuantConfig, observer: Optional[Observer] = None,
-                     state: Optional[SiteState] = None) -> torch.Tensor:
+                     state: Optional[SiteState] = None, comm: Optional[TensorParallelComm] = None,
+                     fuse_wgrad: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias with every GEMM's operands quantized as `config` says.
 
     x [..., K] (any number of leading token dims), weight [N, K], bias [N] or None. `state`
     is the site's SiteState (stochastic draws keyed by its path, delayed-scaling histories;
-    a fresh one is made when omitted). Disabled and unobserved, this is exactly
-    torch.nn.functional.linear.
+    a fresh one is made when omitted). `comm` is the layer's tensor-parallel communication
+    (tp_comm.py): with sequence parallelism x is the local shard of the sequence and y covers
+    the whole sequence. `fuse_wgrad` sums the weight gradient into the fp32 main gradient of a
+    DistributedDataParallel weight (main_grad.py). Disabled, unobserved, without
+    communication or fusion, this is exactly torch.nn.functional.linear.
     """
-    if not config.enabled and observer is None:
+    plain = comm is None or comm.size == 1
+    if not config.enabled and observer is None and plain and not (
+            fuse_wgrad and accumulates_into_main_grad(weight)):
         return F.linear(x, weight, bias)
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"quantized_linear needs x [..., K] and weight [N, K], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
     if state is None:
         state = SiteState("", config)
-    return _QuantizedLinear.apply(x, weight, bias, config, observer, state)
+    return _QuantizedLinear.apply(x, weight, bias, config, observer, state, comm, fuse_wgrad)

@@ -2,10 +2,13 @@
 
 They override megatron-core's `_forward_impl` (the GEMM of the layer) and keep everything else:
 weights, initialisation, sharded checkpoints and the tensor-parallel communication around the
-GEMM. Tensor-parallel input handling is done with megatron's autograd-aware mappings, which is
-exactly what `linear_with_grad_accumulation_and_async_allreduce` does inline:
-sequence parallel -> all-gather the input (reduce-scatter its gradient); otherwise an all-reduce
-of the input gradient when the layer asks for it. The GEMM itself is `quantized_linear`, which
+GEMM. Like megatron-core's LinearWithGradAccumulationAndAsyncCommunication, the GEMM's autograd
+function (`quantized_linear`) does the layer's own communication: with sequence parallelism it
+all-gathers the input shard, saves only the shard and gathers it again in backward while the
+dgrad GEMM runs, then reduce-scatters dX while the wgrad GEMM runs; without it, a layer that
+asks for it all-reduces dX while the wgrad GEMM runs (tp_comm.py). Its weight gradient is
+summed into the fp32 main gradient (gradient-accumulation fusion, main_grad.py) unless
+`fuse_wgrad_accumulation` is off (--no-gradient-accumulation-fusion). `quantized_linear`
 quantizes each of fprop / dgrad / wgrad along its own reduction axis.
 
 Each instance is a GEMM site: `apply_quantization` (converter.py) sets `quant_site` after the
@@ -16,20 +19,20 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
 
 from megatron.quantization.gemm import MatmulQuantConfig, quantized_linear
 from megatron.quantization.observers import GemmSite, observer_for
+from megatron.quantization.tp_comm import TensorParallelComm
 
 
 class QuantizedLinearMixin:
     """The shared GEMM of both parallel linears."""
 
     quant_site: Optional[GemmSite] = None
+    # Weight gradients summed into the fp32 main gradient (Megatron-LM's default).
+    fuse_wgrad_accumulation: bool = True
 
     @property
     def quant_config(self) -> MatmulQuantConfig:
@@ -38,20 +41,25 @@ class QuantizedLinearMixin:
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
                       allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
                       grad_output_buffer=None, wgrad_deferral_limit=None, **_unused):
-        if gradient_accumulation_fusion:
-            raise ValueError("gradient accumulation fusion is not supported by the quantized "
-                             "linear layers (it needs TransformerEngine/apex kernels)")
         if grad_output_buffer is not None:
             raise ValueError("deferred embedding wgrad compute is not supported by the "
                              "quantized linear layers")
-        if sequence_parallel:
-            input = gather_from_sequence_parallel_region(input, True, group=tp_group)
-        elif allreduce_dgrad:
-            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        comm = None
+        if sequence_parallel or allreduce_dgrad:
+            comm = TensorParallelComm(tp_group, sequence_parallel=sequence_parallel,
+                                      allreduce_dgrad=allreduce_dgrad)
         observer = observer_for(self.quant_site) if self.quant_site is not None else None
         state = self.quant_site.state if self.quant_site is not None else None
+        fuse = gradient_accumulation_fusion or self.fuse_wgrad_accumulation
         return quantized_linear(input, weight, bias, self.quant_config, observer=observer,
-                                state=state)
+                                state=state, comm=comm, fuse_wgrad=fuse)
+
+
+def set_wgrad_fusion(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn gradient-accumulation fusion on or off for every linear layer of `model`."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinearMixin):
+            module.fuse_wgrad_accumulation = bool(enabled)
 
 
 class QuantColumnParallelLinear(QuantizedLinearMixin, ColumnParallelLinear):

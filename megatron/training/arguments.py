@@ -214,6 +214,13 @@ def _add_training_args(parser):
                        help="Exit (after saving if --save) after this many minutes of training.")
     group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"],
                        help="Optimizer function.")
+    group.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                       dest="gradient_accumulation_fusion",
+                       help="Add each micro-batch's weight gradient to the fp32 main gradient "
+                            "after rounding it to the parameter dtype (bf16 under --bf16), "
+                            "instead of summing the wgrad GEMM's fp32 result into it directly "
+                            "(the default, as Megatron-LM's gradient-accumulation fusion; "
+                            "needs neither Apex nor TransformerEngine here).")
     return parser
 
 

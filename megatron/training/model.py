@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megatron.training.errors import ConfigError
 from megatron.quantization.converter import QuantizationError, apply_quantization
+from megatron.quantization.layers import set_wgrad_fusion
 from megatron.quantization.local_attention import LocalDotProductAttention
 from megatron.quantization.schemes import QuantConfig
 from megatron.training.modules import Norm
@@ -58,6 +59,9 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
     kwargs["use_cpu_initialization"] = not torch.cuda.is_available()
     kwargs["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
     kwargs["calculate_per_token_loss"] = True
+    # The linear layers fuse the wgrad accumulation themselves (layers.py); megatron-core's
+    # own flag would demand Apex's fused_weight_gradient_mlp_cuda.
+    kwargs["gradient_accumulation_fusion"] = False
     # megatron-core 0.16's default scope "full" warns that it is deprecated; [] means the same.
     kwargs["cuda_graph_scope"] = []
     if args.swiglu:
@@ -141,6 +145,7 @@ def build_gpt_model(args, config: TransformerConfig, quant_config: QuantConfig,
         model.quant_sites = apply_quantization(model, quant_config)
     except QuantizationError as exc:
         raise ConfigError(str(exc)) from None
+    set_wgrad_fusion(model, getattr(args, "gradient_accumulation_fusion", True))
     return model
 
 
