@@ -127,3 +127,18 @@ def test_bf16_training_changes_by_the_fusion_only(monkeypatch):
     assert fused_losses[1] == plain_losses[1]
     assert fused_norms[1] != plain_norms[1]
     assert fused_norms[1] == pytest.approx(plain_norms[1], rel=1e-3)
+
+
+def test_the_start_up_log_states_how_weight_gradients_accumulate():
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.precision import describe_precision
+
+    def text(extra):
+        args = validate_args(parse_args(TINY_MOCK_ARGS + ["--train-iters", "1", *extra]),
+                             check_paths=False)
+        return describe_precision(args)
+
+    assert "summed into them from the GEMMs' fp32 results" in text(["--bf16"])
+    assert "rounded to bf16 per micro-batch first" in text(
+        ["--bf16", "--no-gradient-accumulation-fusion"])
+    assert "gradients, weights and Adam state: fp32" in text([])

@@ -26,8 +26,13 @@ def describe_precision(args) -> str:
                  + "; simulated formats quantize-dequantize the operands from these "
                  f"{dtype} tensors")
     if half:
-        lines.append(f"  gradients: accumulated and reduced in {grad_reduce} (main grads); "
-                     "master weights and Adam state: fp32")
+        fused = getattr(args, "gradient_accumulation_fusion", True)
+        wgrad = ("linear weight gradients summed into them from the GEMMs' fp32 results "
+                 "(gradient-accumulation fusion)" if fused else
+                 f"linear weight gradients rounded to {dtype} per micro-batch first "
+                 "(--no-gradient-accumulation-fusion)")
+        lines.append(f"  gradients: accumulated and reduced in {grad_reduce} (main grads), "
+                     f"{wgrad}; master weights and Adam state: fp32")
     else:
         lines.append("  gradients, weights and Adam state: fp32")
     return "\n".join(lines)
