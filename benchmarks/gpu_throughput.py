@@ -1,7 +1,12 @@
 """Training throughput of the simulated schemes against bf16, side by side in one process:
-tokens/s, ms per iteration and peak device memory, eager and fused (--quant-compile), so a
-first hour on a GPU node says whether the simulation is within the targets (linear schemes
-<= 1.3x a bf16 step, quantized attention <= 2x).
+tokens/s, ms per iteration and peak device memory per quantization mode, so a first hour on a
+GPU node says whether the simulation is within the targets (linear schemes <= 1.3x a bf16
+step, quantized attention <= 2x). Modes (--quant-kernels):
+
+    eager    plain PyTorch quantization and the chunked attention path
+    auto     the default: on CUDA with triton installed, the fused Triton kernels (QDQ, and
+             quantized attention where the kernel covers the scheme); eager elsewhere
+    compile  fake quantization through torch.compile
 
     python benchmarks/gpu_throughput.py                    # GPU: llama32-1b, 2 layers, seq 8192
     python benchmarks/gpu_throughput.py --tiny             # any machine: llama-tiny, seq 256
@@ -38,11 +43,14 @@ TINY_MODEL = ["--model-preset", "llama-tiny", "--seq-length", "256", "--micro-ba
               "--vocab-size", "8191"]
 
 
-def run(model, scheme_flags, fused: bool, iters: int, warmup: int):
+MODES = ("eager", "auto", "compile")
+
+
+def run(model, scheme_flags, mode: str, iters: int, warmup: int):
     """(median seconds per step, peak bytes) of one training."""
     argv = [*model, *scheme_flags, "--mock-data", "--bf16", "--lr", "1e-4",
             "--train-iters", str(iters + warmup), "--log-interval", "1000", "--eval-iters", "0",
-            "--num-workers", "0"] + (["--quant-compile"] if fused else [])
+            "--num-workers", "0", "--quant-kernels", mode]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     timer = StepTimer()
@@ -52,10 +60,10 @@ def run(model, scheme_flags, fused: bool, iters: int, warmup: int):
 
 
 def table(results, tokens):
-    """Rows (scheme, mode, tokens/s, ms, ratio to bf16 of the same mode, peak GiB, target)."""
+    """Rows (scheme, mode, tokens/s, ms, ratio to the bf16 run, peak GiB, target)."""
+    base = next(value for (name, _), value in results.items() if name == "bf16")
     rows = []
     for (name, mode), (seconds, peak) in results.items():
-        base = results.get(("bf16", mode)) or results.get(("bf16", "eager"))
         ratio = seconds / base[0]
         target = TARGETS.get(name)
         verdict = "" if target is None else f"<= {target}x: {'met' if ratio <= target else 'NOT met'}"
@@ -72,29 +80,29 @@ def main(argv=None):
                    help="Untimed first iterations (compilation happens here).")
     p.add_argument("--schemes", nargs="+", default=[s for s, _ in SCHEMES],
                    choices=[s for s, _ in SCHEMES], help="Schemes to time.")
-    p.add_argument("--no-fused", action="store_true", help="Time eager quantization only.")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                   help="Quantization modes (--quant-kernels) to time each scheme in.")
     args = p.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()
     model = TINY_MODEL if tiny else GPU_MODEL
     tokens = 4 * 256 if tiny else 8192
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    modes = ("eager",) if args.no_fused else ("eager", "fused")
     results = {}
     for name, flags in SCHEMES:
         if name not in args.schemes:
             continue
-        for mode in modes:
-            if name == "bf16" and mode == "fused":
-                continue        # nothing to fuse: bf16 has no quantization
-            results[(name, mode)] = run(model, flags, mode == "fused", args.iters, args.warmup)
+        for mode in args.modes:
+            if name == "bf16" and mode != args.modes[0]:
+                continue        # nothing to quantize: one bf16 run is the baseline of all modes
+            results[(name, mode)] = run(model, flags, mode, args.iters, args.warmup)
             print(f"[bench] {name} {mode}: {results[(name, mode)][0] * 1e3:.1f} ms/iteration",
                   flush=True)
     print(f"\n{'llama-tiny, seq 256' if tiny else 'llama32-1b (2 layers), seq 8192'}, "
           f"{tokens} tokens per iteration, bf16 training, {device}")
-    print(f"{'scheme':<18}{'mode':<7}{'tokens/s':>10}{'ms/it':>9}{'x bf16':>8}{'peak GiB':>10}"
+    print(f"{'scheme':<18}{'mode':<9}{'tokens/s':>10}{'ms/it':>9}{'x bf16':>8}{'peak GiB':>10}"
           f"  target")
     for name, mode, rate, ms, ratio, gib, verdict in table(results, tokens):
-        print(f"{name:<18}{mode:<7}{rate:>10.0f}{ms:>9.1f}{ratio:>8.2f}{gib:>10.2f}  {verdict}")
+        print(f"{name:<18}{mode:<9}{rate:>10.0f}{ms:>9.1f}{ratio:>8.2f}{gib:>10.2f}  {verdict}")
 
 
 if __name__ == "__main__":
