@@ -43,12 +43,13 @@ GROUP = 64          # blocks of 32 per program: 2048 elements
 
 
 @triton.jit
-def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_row,
-                   EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
-                   TOP_SIG: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
-    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 32)
-    u = load_bits(x_ptr, offs, mask, IS_BF16)
+def mx_quantize_blocks(u, noise, EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                       TOP_SIG: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr,
+                       STOCHASTIC: tl.constexpr):
+    """float32 bits of the MX quantize-dequantize of blocks [n, 32] (blocks along axis 1) given
+    as float32 bits u (int32): the exact value, before any rounding to bf16. Zeros padding a
+    short block never change its amax. Shared by the QDQ kernel and kernels that quantize
+    tiles in registers."""
     mag = u & 0x7FFFFFFF
 
     # Shared exponent e per block.
@@ -59,13 +60,24 @@ def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_
     e = tl.minimum(tl.maximum(e, -127), 127)     # a zero or subnormal amax: -127
     bad = amax >= 0x7F800000
 
+    q, s = round_to_grid(mag, e[:, None], noise, EMIN, MBITS, TOP_SIG, EMAX, STOCHASTIC)
+    res = pack(q, s) | ((u >> 31) << 31)             # x's sign (-0 for negatives that vanish)
+    return tl.where(bad[:, None], 0x7FC00000, res)
+
+
+@triton.jit
+def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_row,
+                   EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                   TOP_SIG: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
+    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 32)
+    u = load_bits(x_ptr, offs, mask, IS_BF16)
     if STOCHASTIC:
         noise = tl.load(noise_ptr + offs, mask=mask, other=0x3F800000)   # float32 bits
     else:
         noise = 0
-    q, s = round_to_grid(mag, e[:, None], noise, EMIN, MBITS, TOP_SIG, EMAX, STOCHASTIC)
-    res = pack(q, s) | ((u >> 31) << 31)             # x's sign (-0 for negatives that vanish)
-    res = tl.where(bad[:, None], 0x7FC00000, res)
+    res = mx_quantize_blocks(u, noise, EMAX, EMIN, MBITS, TOP_SIG, MAX_MANT, RCEIL,
+                             STOCHASTIC)
     store_bits(y_ptr, offs, mask, res, IS_BF16)
 
 
