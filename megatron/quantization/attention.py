@@ -11,7 +11,7 @@ Layout. Grouped-query attention is computed per key/value group: the queries of 
 group are stacked along the row axis, Q [b*groups, heads_per_group*sq, d] with row
 r*sq + i = (head r of the group, position i), so K and V keep their natural size.
 
-Three paths, chosen per call:
+Four paths, chosen per call:
 
 * fused -- nothing in attention is quantized and nothing observes it (bf16 and linear_*
   schemes): `scaled_dot_product_attention` with `is_causal=True` (no materialised mask), so
@@ -41,6 +41,14 @@ Three paths, chosen per call:
   still quantized at every use, and stochastically rounded P or dS skip no key block.
   A chunk's fp32 scores take CHUNK_BYTES (32 MiB) on a CPU and a share of the free memory
   on a GPU (chunk_bytes_for).
+* fused kernels -- where the chunked path would run, on CUDA with triton installed
+  (--quant-kernels auto, the default; or "triton", which also runs them on CPU tensors under
+  Triton's interpreter): the Triton kernels of kernels/attention.py compute the chunked
+  path's arithmetic tile by tile in registers, with P and dS quantized inside the tiles (MX
+  formats or none, round to nearest) and the whole operands quantized once per call by the
+  sites' own quantization. Same roundings as the chunked path; results agree with it up to
+  fp32 summation order and exp (see that module). Not for observed calls, explicit mask
+  tensors, head dims over 128 or slots the kernels do not cover (_runs_fused_kernels).
 * unfused (the reference) -- the full [b, heads, sq, sk] scores, as megatron-core computes
   them: used when an observer that needs whole operands (tensor capture) watches a site, so
   captured tensors are whole GEMM operands (observers that accept pieces, such as the
@@ -59,6 +67,8 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron.quantization.formats import kernels_mode
+from megatron.quantization.kernels import device_reason, triton_available
 from megatron.quantization.gemm import (
     MatmulQuantConfig, SiteState, gemm_operand, gemm_result, quantize_slot, quantized_matmul,
     whole_tensor_scale)
@@ -258,6 +268,16 @@ class _Gemms:
         self.qk_state, self.pv_state = (s.state if s is not None else None
                                         for s in (qk_site, pv_site))
         self.observers, self.share = observers, share
+
+    def whole_operand(self, site: str, gemm: str, name: str, side: str, hp: torch.Tensor,
+                      axis: int) -> torch.Tensor:
+        """One whole operand of the QK^T ("qk") or PV ("pv") site quantized for its GEMM slot
+        (the fused kernels' quantizer: they quantize only P and dS themselves)."""
+        cfg, state = ((self.qk_cfg, self.qk_state) if site == "qk"
+                      else (self.pv_cfg, self.pv_state))
+        q, _ = quantize_slot(cfg, gemm, name, side, hp, getattr(getattr(cfg, gemm), side),
+                             axis, state=state)
+        return hp if q is None else q
 
     def scores(self, q_c, keys: int, k_fprop: _Shared, scales, observer=None):
         """Q_c @ K^T[:, :, :keys] (fprop of QK^T for one chunk)."""
@@ -488,8 +508,11 @@ class QuantDotProductAttention(LocalDotProductAttention):
             return self._reference(query, key, value, attention_mask, attn_mask_type,
                                    qk_obs, pv_obs)
         q, k_t, v = grouped_layout(query, key, value)
-        context = self._chunked(q, k_t, v, attention_mask, mask_type, query, key,
-                                (qk_obs, pv_obs))
+        if self._runs_fused_kernels(qk_cfg, pv_cfg, q, v, attention_mask, observed):
+            context = self._fused_quantized(q, k_t, v, mask_type, query.size(0))
+        else:
+            context = self._chunked(q, k_t, v, attention_mask, mask_type, query, key,
+                                    (qk_obs, pv_obs))
         return heads_layout(context, query)
 
     # -- which path ----------------------------------------------------------------------
@@ -581,6 +604,50 @@ class QuantDotProductAttention(LocalDotProductAttention):
             x = softmax.mask_func(x, mask)
         probs = torch.softmax(x, dim=-1)
         return probs.to(scores.dtype) if in_fp32 else probs
+
+    # -- fused Triton kernels: quantized, linear memory, on the GPU --------------------------
+
+    def _runs_fused_kernels(self, qk_cfg, pv_cfg, q, v, attention_mask, observed) -> bool:
+        """Whether the fused Triton attention kernels (kernels/attention.py) run this call
+        instead of the chunked path, under the --quant-kernels mode: "auto" (the default) on
+        CUDA wherever they cover the call; "triton" wherever they can run (CUDA, or CPU tensors
+        under Triton's interpreter), and a ValueError naming what they do not cover;
+        "compile" and "eager" never. Observed calls stay on the chunked path in every mode:
+        its observers see the operands, the kernels keep P and dS in registers."""
+        mode = kernels_mode()
+        if mode not in ("auto", "triton") or observed:
+            return False
+        if mode == "auto" and q.device.type != "cuda":
+            return False
+        reason = self._fused_kernels_reason(qk_cfg, pv_cfg, q, v, attention_mask)
+        if reason is None:
+            return True
+        if mode == "triton":
+            raise ValueError(f"kernel mode 'triton' does not cover this quantized attention: "
+                             f"{reason}; use --quant-kernels auto to run it on the chunked path")
+        return False
+
+    def _fused_kernels_reason(self, qk_cfg, pv_cfg, q, v, attention_mask) -> Optional[str]:
+        if not triton_available():
+            return "this installation: triton is not importable (pip install triton)"
+        from megatron.quantization.kernels.attention import unsupported_reason
+        softmax = self.scale_mask_softmax
+        # As _masked_softmax: fp32 inputs, or half inputs the softmax upcasts.
+        in_fp32 = q.dtype == torch.float32 or (softmax.input_in_float16
+                                               and softmax.softmax_in_fp32)
+        return (unsupported_reason(qk_cfg, pv_cfg, q.dtype, q.size(-1), v.size(-1),
+                                   mask_tensor=attention_mask is not None,
+                                   softmax_in_fp32=in_fp32)
+                or device_reason(q))
+
+    def _fused_quantized(self, q, k_t, v, mask_type, sq: int):
+        """The grouped-layout attention by the fused kernels: the whole operands quantized
+        once per call and GEMM slot by the sites' own quantization, P and dS in the tiles."""
+        from megatron.quantization.kernels.attention import TileFormats, TritonQuantizedAttention
+        gemms = _Gemms(self.qk_site, self.pv_site, (None, None), True)
+        return TritonQuantizedAttention.apply(
+            q, k_t, v, gemms.whole_operand, TileFormats.of(gemms.qk_cfg, gemms.pv_cfg),
+            self.softmax_scale, mask_type == AttnMaskType.causal, sq, self.skip_masked_blocks)
 
     # -- unfused: the reference --------------------------------------------------------------
 
