@@ -61,7 +61,7 @@ test: install
 
 # The CPU suite hides GPUs from itself (tests/conftest.py); this runs the CUDA tests on them.
 gpu-check: install
-	MEGATRON_LOWP_GPU_TESTS=1 $(PY) -m pytest -q tests/test_cuda.py tests/test_cuda_capture_new_formats.py
+	MEGATRON_LOWP_GPU_TESTS=1 $(PY) -m pytest -q tests/test_cuda*.py
 	$(PY) benchmarks/gpu_throughput.py
 
 bench: install

@@ -1,14 +1,17 @@
 """The per-GPU memory estimate (megatron/training/memory_estimate/) against memory measured on
 the CPU: activations against real forwards (one process, and two TP ranks with sequence
-parallelism), parameters / gradients / optimizer state against a real training step, parameter
-accounting against the published totals; the launchers' layouts; errors; train_config.py."""
+parallelism), parameters / gradients / optimizer state and the cached quantized weight copies
+against a real training step, parameter accounting against the published totals; the GPU's
+attention kernels and fused weight gradient; the launchers' layouts; errors; train_config.py."""
 
+import contextlib
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pretrain_gpt
 import train_config
@@ -244,6 +247,14 @@ def test_parameters_gradients_optimizer_equal_a_real_training_step(monkeypatch, 
         (params, grads, state)
 
 
+def test_null_tokenizer_vocabulary_includes_its_end_of_document_token():
+    """NullTokenizer's vocabulary is --vocab-size + 1 (the eod id is --vocab-size): 512 pads
+    to 640 as a run pads it; another tokenizer's --vocab-size 512 stays 512."""
+    null = me.parse_estimate_args(TINY + ["--tokenizer-type", "NullTokenizer"])
+    assert me.padded_vocab_size(null) == 640
+    assert me.padded_vocab_size(me.parse_estimate_args(TINY)) == 512
+
+
 @pytest.mark.parametrize("name,flags,world,check", [
     ("llama31-8b", ["--pipeline-model-parallel-size", "2"], 2,
      lambda stages, published: sum(s.count for s in stages) == published),
@@ -264,6 +275,177 @@ def test_parameter_accounting_adds_up_to_the_published_totals(name, flags, world
         stages = me.parameters_per_stage(args, me.Layout.from_args(args),
                                          me.padded_vocab_size(args))
     assert check(stages, PUBLISHED_PARAMETER_COUNTS[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized weight copies
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _after_one_training_step(flags, monkeypatch):
+    """The raw model of a real one-step CPU run of `flags` (weight cache as the run sets it)."""
+    from megatron.quantization.gemm import set_weight_cache
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    args = validate_args(parse_args(flags + ["--mock-data", "--train-iters", "1", "--lr", "1e-3"]),
+                         check_paths=False)
+    initialize_distributed(args)
+    try:
+        set_random_seeds(args.seed)
+        set_weight_cache(args.quant_weight_cache)
+        args.padded_vocab_size = me.padded_vocab_size(args)
+        ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
+        train_step(pretrain_gpt.forward_step, _batches(args), ddp_model, optimizer, scheduler,
+                   args)
+        yield raw_model
+    finally:
+        set_weight_cache(True)
+        destroy_distributed()
+
+
+def _cached_copy_bytes(model) -> int:
+    """Bytes of the tensors the model's GEMM sites keep in their weight caches that are not
+    parameters (once per storage)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    copies = {}
+    for site in model.quant_sites:
+        for entry in site.state.weights.values():
+            for item in entry:
+                if isinstance(item, torch.Tensor) and \
+                        item.untyped_storage()._cdata not in params:
+                    copies[item.untyped_storage()._cdata] = item.untyped_storage().nbytes()
+    return sum(copies.values())
+
+
+WEIGHT_CACHE_CASES = {
+    "FA_linear_mxfp8": ["--quant-scheme", "FA_linear_mxfp8"],
+    "nvfp4-recipe": ["--quant-recipe", "nvfp4"],
+    "rht-on-weights": ["--quant-scheme", "linear_mxfp4", "--quant-rht", "32",
+                       "--quant-rht-gemms", "fprop", "dgrad"],
+    # Weights drawn anew (stochastic) or scaled from a history (delayed) are not kept.
+    "stochastic-weights": ["--quant-scheme", "linear_mxfp8", "--quant-stochastic-rounding", "all"],
+    "fp8-delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+    "no-cache": ["--quant-scheme", "FA_linear_mxfp8", "--no-quant-weight-cache"],
+}
+
+
+@pytest.mark.parametrize("case", WEIGHT_CACHE_CASES)
+def test_quantized_weight_copies_equal_a_real_training_step(monkeypatch, case):
+    """What the GEMM sites of a real run still hold after its optimizer step (the copies are
+    replaced at the next forward, never freed) against the estimate."""
+    flags = TINY + ["--num-layers", "2"] + WEIGHT_CACHE_CASES[case]
+    with _after_one_training_step(flags, monkeypatch) as model:
+        real = _cached_copy_bytes(model)
+    est = me.estimate_memory(me.parse_estimate_args(flags))
+    assert est.weight_cache_bytes == real
+    assert (real == 0) == (case in ("stochastic-weights", "fp8-delayed", "no-cache"))
+
+
+def test_quantized_weight_copies_are_two_per_quantized_weight_shard():
+    """llama-tiny under FA_linear_mxfp8 (hidden 256, 8 heads in 2 groups of head dim 32, gated
+    FFN 768; the output layer stays bf16): two bf16 copies of each layer's qkv, proj, fc1 and
+    fc2 weight; TP=2 keeps half of each; the total includes them."""
+    hidden, kv, ffn = 256, 2 * 32, 768
+    weights = hidden * (hidden + 2 * kv) + hidden * hidden + hidden * 2 * ffn + ffn * hidden
+    flags = TINY + ["--num-layers", "2"] + ["--quant-scheme", "FA_linear_mxfp8"]
+    est = me.estimate_memory(me.parse_estimate_args(flags))
+    assert est.weight_cache_bytes == 2 * weights * 2 * 2        # layers x elements x bf16 x copies
+    tp2 = me.estimate_memory(me.parse_estimate_args(
+        flags + ["--tensor-model-parallel-size", "2", "--world-size", "2"]))
+    assert tp2.weight_cache_bytes == est.weight_cache_bytes // 2
+    dropped = me.estimate_memory(me.parse_estimate_args(flags + ["--no-quant-weight-cache"]))
+    assert dropped.weight_cache_bytes == 0
+    assert est.total_bytes - dropped.total_bytes == est.weight_cache_bytes
+    assert "quantized weights" in me.format_estimate(est, me.parse_estimate_args(flags))
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU's fused weight gradient and attention kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def test_largest_temporary_includes_the_fused_weight_gradient(monkeypatch):
+    """Gradient-accumulation fusion (the default): llama-tiny's largest linear, fc1 [2 x 768,
+    256], gets its weight gradient as an fp32 product beside a bf16 placeholder, 6 bytes per
+    element, more than any other temporary at this size. A real CPU step creates that fp32
+    product; without fusion the measured temporaries stay below it."""
+    from megatron.training.memory_estimate.kernels import LargestTemporaryMode
+
+    flags = TINY + ["--num-layers", "2"]
+    fused = me.estimate_memory(me.parse_estimate_args(flags))
+    assert fused.largest_temporary_bytes == 1536 * 256 * (4 + 2)
+    assert "linear_fc1" in fused.largest_temporary
+    assert "float32 [1536, 256]" in fused.largest_temporary
+    plain = me.estimate_memory(me.parse_estimate_args(
+        flags + ["--no-gradient-accumulation-fusion"]))
+    assert plain.largest_temporary_bytes < fused.largest_temporary_bytes
+    mode = LargestTemporaryMode()
+    with mode, _after_one_training_step(flags, monkeypatch):
+        pass
+    products = {what for _, what in mode.outputs.values()}
+    assert "aten.mm.default -> [1536, 256] float32" in products
+
+
+def test_quantized_attention_chunks_are_sized_as_on_the_gpu():
+    """llama-tiny at seq 4096 (2 K/V groups of 4 query heads: 16384 rows of 4096 keys per
+    group): on an 80 GiB GPU a chunk holds every row, fp32 scores [2, 16384, 4096] = 512 MiB;
+    a GPU with 1 GiB leaves the 32 MiB chunks of a CPU, [2, 1024, 4096]."""
+    flags = TINY + MXFP8_PV + ["--num-layers", "2", "--seq-length", "4096",
+                               "--micro-batch-size", "1"]
+    large = me.estimate_memory(me.parse_estimate_args(flags))
+    small = me.estimate_memory(me.parse_estimate_args(flags + ["--gpu-memory-gib", "1"]))
+    assert large.largest_temporary_bytes == 2 * 16384 * 4096 * 4
+    assert "[2, 1, 16384, 4096] float32" in large.largest_temporary
+    assert small.largest_temporary_bytes == 2 * 1024 * 4096 * 4
+    assert large.activation_bytes == small.activation_bytes
+
+
+@pytest.mark.parametrize("dtype,masked,expanded", [
+    (torch.bfloat16, False, False),   # FlashAttention takes the groups as they are
+    (torch.float32, False, True),     # no FlashAttention in fp32
+    (torch.bfloat16, True, True),     # nor with a mask
+], ids=["bf16", "fp32", "bf16-mask"])
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_gqa_attention_saves_what_the_gpu_kernel_keeps(device, dtype, masked, expanded):
+    """q, out, K and V (one head per query head where the GPU expands the groups), fp32
+    log-sum-exp per row, and a mask as the additive bias of the activations' dtype."""
+    from megatron.training.memory_estimate.kernels import GpuKernelsMode
+
+    b, heads, groups, s, d = 2, 8, 2, 64, 32
+    q = torch.randn(b, heads, s, d, dtype=dtype, device=device, requires_grad=True)
+    k, v = (torch.randn(b, groups, s, d, dtype=dtype, device=device, requires_grad=True)
+            for _ in range(2))
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool, device=device).tril() if masked else None
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with GpuKernelsMode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked,
+                                       enable_gqa=True)
+    size = torch.finfo(dtype).bits // 8
+    kv_heads = heads if expanded else groups
+    expected = b * s * d * size * (2 * heads + 2 * kv_heads) + b * heads * s * 4
+    if masked:
+        expected += b * s * s * size
+    assert sum(saved.values()) == expected
+
+
+@pytest.mark.parametrize("extra", [[], ["--reset-attention-mask"]], ids=["causal", "mask"])
+@pytest.mark.parametrize("precision", [["--bf16"], []], ids=["bf16", "fp32"])
+def test_gpu_attention_paths_equal_a_real_cpu_forward(world_size_one, precision, extra):
+    """fp32 and masked grouped-query attention (expanded K/V, the mask as a bias per layer)
+    save on the meta device what a real CPU forward saves."""
+    flags = [f for f in TINY if f != "--bf16"] + precision + extra + ["--num-layers", "3"]
+    args = me.parse_estimate_args(flags)
+    est = me.estimate_memory(args)
+    three, two = real_saved_bytes(args, 3), real_saved_bytes(args, 2)
+    assert est.activation_bytes_per_micro_batch == three
+    assert est.activation_bytes_per_layer == three - two
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ QuantConfig, never on what was imported before.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Dict, Optional
 
 import torch
@@ -55,8 +56,10 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
     kwargs["pipeline_dtype"] = kwargs["params_dtype"]
     # On a CPU, initialise full weights and split them (identical weights for any TP size).
     # On GPUs each rank initialises its own shard on the device: full-size host copies of an 8B
-    # model on every rank would exhaust host memory.
-    kwargs["use_cpu_initialization"] = not torch.cuda.is_available()
+    # model on every rank would exhaust host memory. MEGATRON_LOWP_CPU_INIT=1 takes the CPU path
+    # on GPUs too (a CPU run's weights: the GPU tests compare against one).
+    kwargs["use_cpu_initialization"] = (not torch.cuda.is_available()
+                                        or os.environ.get("MEGATRON_LOWP_CPU_INIT") == "1")
     kwargs["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
     kwargs["calculate_per_token_loss"] = True
     # The linear layers fuse the wgrad accumulation themselves (layers.py); megatron-core's

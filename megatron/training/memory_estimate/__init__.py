@@ -18,6 +18,11 @@ pipeline stage it reports
 * optimizer state -- Adam's exp_avg and exp_avg_sq (SGD: its momentum) in fp32, plus an fp32
   master copy of bf16/fp16 parameters, with and without the distributed optimizer (which shards
   it over the data-parallel group, expert parameters over the expert-data-parallel group);
+* quantized weights -- the fprop and dgrad QDQ copies megatron.quantization.gemm keeps of every
+  quantized linear weight (rank's shard, weight dtype; plus the rotated weight of a GEMM with
+  the Hadamard transform) from its first use until the optimizer step replaces them, so for
+  the whole run: only for weights quantized reusably (round to nearest, not delayed-scaled),
+  none under --no-quant-weight-cache;
 * activations -- the bytes autograd saves for backward (saved_tensors_hooks, one count per
   storage, parameters excluded) in a forward of a model built at one rank's shapes (heads, query
   groups, FFN and expert widths and the vocabulary divided by TP) with the run's own flags
@@ -27,7 +32,10 @@ pipeline stage it reports
   first of PP stages holds PP);
 * recompute -- with --recompute-*, what backward re-creates at once (one recompute unit);
 * the largest temporary -- the largest tensor an op creates in forward or backward that is not
-  kept for backward (the fp32 logits, an attention chunk, a weight gradient, ...);
+  kept for backward (the fp32 logits, an attention chunk, a weight gradient, ...); with
+  gradient-accumulation fusion (the default) at least the fp32 weight gradient of the largest
+  linear plus the placeholder gradient autograd receives (4 N K + N K x the weight's element
+  size), which the measurement sizes from the weights since its model has no main gradients;
 
 and their total against the GPU's memory (--gpu-memory-gib, default 80).
 
@@ -35,15 +43,24 @@ How the measurement stays faithful to a GPU run:
 
 * Sequence parallelism is modelled on the measured tensors: what is saved inside the modules
   that run on the sequence slice (the layer norms, the MoE router, the layers' residual stream)
-  counts 1/TP; what the linears and attention save (their gathered inputs) counts in full.
+  and what the column-parallel linears save (they gather their input shard for the GEMM and
+  keep only the shard) counts 1/TP; what attention, the row-parallel and the expert linears
+  save (full-sequence tensors at one rank's widths) counts in full.
 * Kernels. On the meta device (and on a CPU) two ops take a composite path where a GPU runs a
   fused kernel that saves less: scaled_dot_product_attention (the math path keeps the score
   matrix; the GPU's FlashAttention keeps q, k, v, the output and an fp32 log-sum-exp; CUDA adds
   24 bytes of RNG state) and torch.nn.RMSNorm (the composite keeps fp32 copies; the GPU's
   aten._fused_rms_norm keeps the input and rstd). During a measurement both calls go to the
   fused forms: aten's flash-attention operator, and a function that saves what the derivative
-  formula of aten._fused_rms_norm saves. The quantized attention's chunked and unfused paths run
-  as they are.
+  formula of aten._fused_rms_norm saves. An explicit mask (--reset-attention-mask) goes in as
+  the additive bias of the activations' dtype that a GPU's SDPA makes of a boolean mask, which
+  the kernel keeps (one per layer). Grouped-query attention with an explicit mask or in fp32,
+  which FlashAttention does not run, goes to a kernel that needs one K/V head per query head:
+  K and V are expanded before the operator, and the expanded copies are what it saves.
+  The quantized attention's chunked and unfused paths run as they are, with the chunks a GPU
+  takes: a share of its free memory, taken as the GPU's memory less the persistent state
+  (parameters, gradients, optimizer state, quantized weights), as attention.chunk_bytes_for
+  sizes it.
 * MoE routing needs values, which meta tensors lack (megatron copies the tokens-per-expert counts
   to the CPU and splits by them). Routing is measured with a balanced assignment: top-k indices
   are given the values token t -> experts t*k .. t*k+k-1 (mod E), the routing tensors derived

@@ -14,7 +14,7 @@ import torch
 
 from megatron.training.memory_estimate.kernels import (
     BalancedRoutingMode, GpuKernelsMode, LargestTemporaryMode, build_meta_model, cuda_to_meta,
-    stochastic_rounding_on_meta)
+    gpu_free_memory_on_meta, stochastic_rounding_on_meta)
 from megatron.training.memory_estimate.layout import (
     Layout, moe_layers, per_rank_shapes, single_rank_args)
 
@@ -24,7 +24,7 @@ from megatron.training.memory_estimate.layout import (
 
 # Modules that run on the sequence slice [s/TP, b, h] under sequence parallelism: the norms
 # around attention and MLP, the MoE router, the layers and the block (residual stream, recompute
-# inputs).
+# inputs). The column-parallel linears also save the slice (saves_sequence_shard).
 _SEQUENCE_PARALLEL_MODULE = re.compile(
     r"(^|\.)(input_layernorm|pre_mlp_layernorm|pre_cross_attn_layernorm|final_layernorm|router"
     r"|decoder|layers\.\d+)$")
@@ -44,6 +44,17 @@ class SavedStorage:
             (self.nbytes // tp if self.by_sequence_slice else 0)
 
 
+def saves_sequence_shard(module: torch.nn.Module) -> bool:
+    """Whether a module keeps only this rank's sequence slice for backward under sequence
+    parallelism although it computes on the gathered sequence: a column-parallel linear
+    all-gathers its input [s/TP, b, h] for the GEMM and saves the shard, gathering it again in
+    backward (megatron-core's linear and the quantized one alike). Expert linears receive
+    their tokens from the dispatcher, not by that gather."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    return isinstance(module, ColumnParallelLinear) and not getattr(module, "is_expert", False)
+
+
 class SavedTensorMeter:
     """Counts, once per storage, the tensors autograd saves for backward (parameters excluded),
     remembering which module saved them (for sequence parallelism)."""
@@ -54,6 +65,8 @@ class SavedTensorMeter:
         self._keep: List[torch.Tensor] = []   # referenced, so storage ids are never reused
         self._modules: List[str] = []
         self._handles = []
+        self._shard_savers = {name for name, module in model.named_modules()
+                              if saves_sequence_shard(module)}
         for name, module in model.named_modules():
             self._handles.append(module.register_forward_pre_hook(
                 lambda _m, _a, name=name: self._modules.append(name)))
@@ -67,7 +80,7 @@ class SavedTensorMeter:
         if storage._cdata not in self.params:
             entry = self.saved.setdefault(storage._cdata, SavedStorage(storage.nbytes()))
             module = self._modules[-1] if self._modules else ""
-            if _SEQUENCE_PARALLEL_MODULE.search(module):
+            if _SEQUENCE_PARALLEL_MODULE.search(module) or module in self._shard_savers:
                 entry.by_sequence_slice = True
             else:
                 entry.by_full_sequence = True
@@ -146,10 +159,11 @@ def _own_moe_loss_tracker():
 
 def measure_saved(model, args, pre_process: bool, post_process: bool, device, tp: int = 1,
                   sequence_parallel: bool = False, backward: bool = False,
-                  routing: bool = False) -> StageMeasurement:
+                  routing: bool = False, gpu_free_bytes=None) -> StageMeasurement:
     """Saved bytes of one micro-batch through `model` (as one rank of a TP group with sequence
     parallelism when asked, see SavedStorage); with `backward` also the largest temporary of
-    forward and backward.
+    forward and backward. `gpu_free_bytes`: the GPU memory free for the quantized attention's
+    chunks (gpu_free_memory_on_meta), on the meta device.
 
     Works on the meta device and on real CPU models alike (the tests compare the two).
     """
@@ -162,6 +176,7 @@ def measure_saved(model, args, pre_process: bool, post_process: bool, device, tp
             if torch.device(device).type == "meta":
                 stack.enter_context(cuda_to_meta())
                 stack.enter_context(stochastic_rounding_on_meta())
+                stack.enter_context(gpu_free_memory_on_meta(gpu_free_bytes))
             if routing:
                 stack.enter_context(BalancedRoutingMode())
             if backward:
@@ -179,6 +194,40 @@ def measure_saved(model, args, pre_process: bool, post_process: bool, device, tp
         meter.close()
 
 
+def fused_wgrad_transient(model: torch.nn.Module) -> Tuple[int, str]:
+    """(bytes, what) of the largest weight-gradient transient of gradient-accumulation fusion:
+    a linear that fuses (QuantizedLinearMixin.fuse_wgrad_accumulation) computes its weight
+    gradient as an fp32 [N, K] product, adds it to the fp32 main gradient and hands autograd
+    a placeholder of the weight's shape and dtype while the product is still referenced. The
+    measurement cannot run that path (the model has no main gradients), so it is sized from
+    the weights: 4 N K + N K x the weight's element size, at the largest linear."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    largest = (0, "none")
+    for name, module in model.named_modules():
+        if not (isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+                and getattr(module, "fuse_wgrad_accumulation", False)):
+            continue
+        weight = module.weight
+        if weight is None:               # the output layer of tied embeddings
+            weight = model.shared_embedding_or_output_weight()
+        n, k = weight.shape
+        dtype = str(weight.dtype).replace("torch.", "")
+        size = n * k * (4 + weight.element_size())
+        largest = max(largest, (size, f"fused wgrad of {name}: float32 [{n}, {k}] product + "
+                                      f"{dtype} placeholder"))
+    return largest
+
+
+def with_fused_wgrad(measured: StageMeasurement, model: torch.nn.Module) -> StageMeasurement:
+    """The measurement with the fused weight-gradient transient as its largest temporary when
+    that is larger."""
+    size, what = fused_wgrad_transient(model)
+    if size <= measured.temporary_bytes:
+        return measured
+    return dataclasses.replace(measured, temporary_bytes=size, temporary=what)
+
+
 def _period_and_prefix(args, kinds: List[bool], recompute: bool) -> Tuple[int, int]:
     """(p, a): from layer a on, the stage repeats every p layers. p is the unit of uniform full
     recompute, else 1; a >= 1 lies past a recomputed block and past the last change of layer
@@ -193,12 +242,14 @@ def _period_and_prefix(args, kinds: List[bool], recompute: bool) -> Tuple[int, i
 
 
 def measure_activations(args, layout: Layout, stage: int, padded_vocab: int,
-                        recompute: bool = True, temporary: bool = True):
+                        recompute: bool = True, temporary: bool = True, gpu_free_bytes=None):
     """(bytes per layer, bytes of the stage per micro-batch, StageMeasurement with the
     largest temporary) of one rank of `stage`.
 
     saved(n layers) is affine in n past a short prefix a: measured at a and a + p layers and
     extrapolated to the stage's layer count. `recompute=False` measures as without --recompute-*.
+    `gpu_free_bytes` sizes the quantized attention's chunks as on a GPU with that much free
+    memory (None: the fixed CPU chunks; saved bytes do not depend on it).
     """
     count = layout.layers_per_stage
     kinds = moe_layers(args)[stage * count:(stage + 1) * count]
@@ -216,9 +267,11 @@ def measure_activations(args, layout: Layout, stage: int, padded_vocab: int,
         if layer_args.recompute_method == "block":
             layer_args.recompute_num_layers = min(layer_args.recompute_num_layers, layers)
         model = build_meta_model(layer_args, pre_process=pre, post_process=post)
-        return measure_saved(model, layer_args, pre, post, "meta", layout.tp,
-                             layout.sequence_parallel, backward=backward,
-                             routing=args.num_experts is not None)
+        measured = measure_saved(model, layer_args, pre, post, "meta", layout.tp,
+                                 layout.sequence_parallel, backward=backward,
+                                 routing=args.num_experts is not None,
+                                 gpu_free_bytes=gpu_free_bytes)
+        return with_fused_wgrad(measured, model) if backward else measured
 
     if prefix + period > count:            # a short stage: measure all of it
         whole = measure(count, backward=temporary)

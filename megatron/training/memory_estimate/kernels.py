@@ -134,6 +134,32 @@ def stochastic_rounding_on_meta():
         randomness.generator, formats.uniform_noise = make_generator, draw
 
 
+@contextlib.contextmanager
+def gpu_free_memory_on_meta(free_bytes: Optional[int]):
+    """The GPU's free memory as the quantized attention sees it during a measurement.
+
+    The chunked attention sizes its chunks from the free memory of the device it runs on
+    (megatron.quantization.attention.free_device_bytes: a share of it on a GPU, a fixed
+    CHUNK_BYTES where there is no such figure); meta tensors answer `free_bytes`, so the
+    measured chunks and their temporaries are the GPU's. None keeps the fixed chunks.
+    Restored on exit.
+    """
+    from megatron.quantization import attention
+
+    device_free = attention.free_device_bytes
+
+    def free(device) -> Optional[int]:
+        if free_bytes is not None and torch.device(device).type == "meta":
+            return free_bytes
+        return device_free(device)
+
+    attention.free_device_bytes = free
+    try:
+        yield
+    finally:
+        attention.free_device_bytes = device_free
+
+
 def build_meta_model(args, pre_process: bool = True, post_process: bool = True,
                      expert_parallel: int = 1):
     """GPTModel of single-rank `args` on the meta device, quantized as `args` says.
@@ -193,22 +219,49 @@ class _FusedRMSNorm(torch.autograd.Function):
 _SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
+def _gpu_expands_groups(q, k, v, mask) -> bool:
+    """Whether the fused attention path gives grouped-query attention one K/V head per query
+    head before SDPA on a GPU (megatron.quantization.attention.sdpa_needs_expanded_kv: where
+    FlashAttention cannot run -- fp32, an explicit mask, large or unequal head dims -- the
+    memory-efficient kernel runs instead, and it needs the heads expanded). The expanded K and
+    V are what that kernel saves for backward."""
+    from megatron.quantization.attention import sdpa_needs_expanded_kv
+
+    return sdpa_needs_expanded_kv("cuda", q.dtype, mask is not None, k.size(1) != q.size(1),
+                                  q.size(-1), v.size(-1))
+
+
+def _expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, groups, s, d] -> [b, heads, s, d], each group's K/V repeated for its query heads."""
+    return t.repeat_interleave(heads // t.size(1), dim=1)
+
+
+def _additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean SDPA mask (True = attend) as the additive bias of `dtype` (0 / -inf) that a
+    GPU's SDPA converts it to for the kernels that take a mask, and that they keep."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, float("-inf"))
+
+
 def _fused_attention(q, k, v, mask, dropout_p, is_causal, scale):
     """Attention through an aten fused-attention operator, which saves for backward what the
     GPU's kernel saves: flash attention for one head size (the CPU operator has the CUDA one's
     autograd formula, less 24 bytes of RNG state), the memory-efficient kernel on the meta
-    device for another value head size (MLA). None: no such operator here (a CPU run with MLA
+    device for another value head size (MLA). A mask goes in as the additive bias a GPU makes
+    of a boolean one; grouped-query attention with a mask or in fp32 saves K and V expanded to
+    every query head (_gpu_expands_groups). None: no such operator here (a CPU run with MLA
     keeps PyTorch's math path)."""
+    if _gpu_expands_groups(q, k, v, mask):
+        k, v = _expand_groups(k, q.size(1)), _expand_groups(v, q.size(1))
+    if mask is not None and mask.dtype == torch.bool:
+        mask = _additive_bias(mask, q.dtype)
     if v.size(-1) == q.size(-1):
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=mask, scale=scale)
         return out
     if q.is_meta and k.size(1) == q.size(1):
         # FlashAttention needs one head size for q, k and v; with another value head size
-        # (MLA) the GPU runs the memory-efficient kernel, which takes the mask as a bias.
-        if mask is not None and mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-                ~mask, float("-inf"))
+        # (MLA) the GPU runs the memory-efficient kernel.
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, mask, True, dropout_p, is_causal, scale=scale)[0]
     return None

@@ -65,10 +65,13 @@ def parse_estimate_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def padded_vocab_size(args) -> int:
-    """--vocab-size, else the Llama 3 tokenizer's, padded as megatron pads it."""
+    """--vocab-size (NullTokenizer: plus its end-of-document token, id --vocab-size), else the
+    Llama 3 tokenizer's, padded as megatron pads it."""
     from megatron.training.tokenizer import vocab_size_with_padding
 
     vocab = args.vocab_size if args.vocab_size is not None else DEFAULT_VOCAB_SIZE
+    if args.vocab_size is not None and getattr(args, "tokenizer_type", None) == "NullTokenizer":
+        vocab += 1
     return vocab_size_with_padding(vocab, args.make_vocab_size_divisible_by,
                                    args.tensor_model_parallel_size)
 

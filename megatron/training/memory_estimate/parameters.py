@@ -21,6 +21,7 @@ class StageParameters:
     dense: int = 0        # parameters on the rank, replicated over data parallel
     expert: int = 0       # expert parameters on the rank
     bytes: int = 0
+    weight_cache_bytes: int = 0   # quantized weight copies kept between optimizer steps
 
     @property
     def count(self) -> int:
@@ -44,23 +45,82 @@ def _stages_of(name: str, layout: Layout, tied: bool) -> List[int]:
     return [last]                          # final norm, output layer
 
 
+def _rank_divisor(param, layout: Layout) -> int:
+    """How many ranks share `param` of the single-rank model: TP for tensor-parallel
+    parameters, times EP for expert parameters (allreduce=False)."""
+    split_by_tp = bool(getattr(param, "tensor_model_parallel", False))
+    is_expert = getattr(param, "allreduce", True) is False
+    return (layout.tp if split_by_tp else 1) * (layout.ep if is_expert else 1)
+
+
+def cached_weight_copies(config, shape, element_size: int) -> int:
+    """Bytes of the quantized copies megatron.quantization.gemm keeps of one linear weight
+    [N, K] until the next optimizer step: for fprop (blocked along K) and dgrad (along N),
+    when that GEMM quantizes the weight reusably (round to nearest, not delayed-scaled), one
+    copy of the weight's dtype -- two when the GEMM applies the Hadamard transform, which
+    keeps the rotated weight (zero-padded to the block along the axis) beside its copy."""
+    total = 0
+    for gemm, axis in (("fprop", 1), ("dgrad", 0)):
+        fmt = getattr(config, gemm).b
+        if fmt == "none" or not config.reusable(gemm, "b", fmt):
+            continue
+        dims, copies = list(shape), 1
+        if gemm in config.rht_gemms:
+            dims[axis] = math.ceil(dims[axis] / config.rht_block) * config.rht_block
+            copies = 2
+        total += copies * math.prod(dims) * element_size
+    return total
+
+
+def _rank_shape(param, layout: Layout) -> List[int]:
+    """The shape of one rank's shard of `param` of the single-rank model."""
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] //= layout.tp
+    return shape
+
+
+def _weight_cache_bytes(model, args, layout: Layout):
+    """(module name, bytes per rank) of the cached quantized copies of every quantized linear
+    weight of the single-rank `model` (an expert's spread over EP: each rank holds 1/EP of
+    the experts); nothing under --no-quant-weight-cache."""
+    from megatron.quantization.layers import QuantizedLinearMixin
+
+    if not getattr(args, "quant_weight_cache", True):
+        return
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizedLinearMixin) or module.quant_site is None:
+            continue
+        weight = module.weight
+        if weight is None:               # the output layer of tied embeddings
+            weight = model.shared_embedding_or_output_weight()
+        size = cached_weight_copies(module.quant_config, _rank_shape(weight, layout),
+                                    weight.element_size())
+        is_expert = getattr(weight, "allreduce", True) is False
+        if size:
+            yield name, size // (layout.ep if is_expert else 1)
+
+
 def parameters_per_stage(args, layout: Layout, padded_vocab: int) -> List[StageParameters]:
-    """Per-rank parameter counts and bytes of every pipeline stage."""
+    """Per-rank parameter counts and bytes of every pipeline stage, and the quantized weight
+    copies each keeps (persistent: every optimizer step only replaces them)."""
     model = build_meta_model(single_rank_args(args, padded_vocab_size=padded_vocab),
                              expert_parallel=layout.ep)
     tied = not args.untie_embeddings_and_output_weights
     stages = [StageParameters() for _ in range(layout.pp)]
     for name, param in model.named_parameters():
-        split_by_tp = bool(getattr(param, "tensor_model_parallel", False))
         is_expert = getattr(param, "allreduce", True) is False
-        divisor = (layout.tp if split_by_tp else 1) * (layout.ep if is_expert else 1)
-        count = param.numel() // divisor
+        count = param.numel() // _rank_divisor(param, layout)
         for stage in _stages_of(name, layout, tied):
             if is_expert:
                 stages[stage].expert += count
             else:
                 stages[stage].dense += count
             stages[stage].bytes += count * param.element_size()
+    for name, size in _weight_cache_bytes(model, args, layout):
+        # The copies follow the layer's stage (output layer: the last).
+        for stage in _stages_of(f"{name}.weight", layout, tied):
+            stages[stage].weight_cache_bytes += size
     return stages
 
 

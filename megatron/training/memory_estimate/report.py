@@ -38,6 +38,7 @@ class MemoryEstimate:
     optimizer_bytes: int                 # optimizer state without the distributed optimizer
     optimizer_bytes_distributed: int     # ... sharded by the distributed optimizer
     distributed_optimizer: bool          # which of the two the layout uses
+    weight_cache_bytes: int              # quantized weight copies kept until the optimizer step
     activation_bytes_per_layer: int
     activation_bytes_per_micro_batch: int  # the stage's layers plus embedding / output
     micro_batches_in_flight: int
@@ -59,7 +60,8 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> int:
         return (self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
-                + self.activation_bytes + self.recompute_bytes + self.largest_temporary_bytes)
+                + self.weight_cache_bytes + self.activation_bytes + self.recompute_bytes
+                + self.largest_temporary_bytes)
 
     @property
     def fits(self) -> bool:
@@ -91,9 +93,20 @@ def estimate_memory(args) -> MemoryEstimate:
     return max(candidates, key=lambda e: e.total_bytes)
 
 
+def _persistent_bytes(args, layout: Layout, params: StageParameters) -> int:
+    """What the rank holds for the whole run: parameters, main gradients, optimizer state,
+    quantized weight copies."""
+    return (params.bytes + gradient_bytes(args, params) + params.weight_cache_bytes
+            + optimizer_bytes(args, params, layout, bool(args.use_distributed_optimizer)))
+
+
 def _estimate_stage(args, layout: Layout, stage: int, params: StageParameters, vocab: int,
                     gpu_bytes: int) -> MemoryEstimate:
-    per_layer, per_micro_batch, measured = measure_activations(args, layout, stage, vocab)
+    # The chunked attention's chunks take a share of the memory left free (at most: the
+    # activations take some of it too), so its temporaries are sized as on this GPU.
+    free = max(0, gpu_bytes - _persistent_bytes(args, layout, params))
+    per_layer, per_micro_batch, measured = measure_activations(args, layout, stage, vocab,
+                                                               gpu_free_bytes=free)
     notes = ["sequence parallelism: what the norms, the MoE router and the residual stream "
              "save counts 1/TP" if layout.sequence_parallel else "no sequence parallelism"]
     if args.num_experts is not None:
@@ -105,6 +118,7 @@ def _estimate_stage(args, layout: Layout, stage: int, params: StageParameters, v
         optimizer_bytes=optimizer_bytes(args, params, layout, distributed=False),
         optimizer_bytes_distributed=optimizer_bytes(args, params, layout, distributed=True),
         distributed_optimizer=bool(args.use_distributed_optimizer),
+        weight_cache_bytes=params.weight_cache_bytes,
         activation_bytes_per_layer=per_layer, activation_bytes_per_micro_batch=per_micro_batch,
         micro_batches_in_flight=layout.in_flight(stage),
         recompute_bytes=recompute_bytes(args, layout, stage, vocab, per_layer),
@@ -195,6 +209,13 @@ def _recipe_text(args) -> str:
     return "".join(f", {p}" for p in parts)
 
 
+def _weight_cache_text(args) -> str:
+    if not getattr(args, "quant_weight_cache", True):
+        return "none kept: --no-quant-weight-cache"
+    return ("fprop and dgrad QDQ copies of each quantized weight, kept until the optimizer "
+            "step; --no-quant-weight-cache drops them")
+
+
 def format_estimate(est: MemoryEstimate, args) -> str:
     """The report `main` prints."""
     model = args.model_preset or f"{args.num_layers} layers, hidden {args.hidden_size}"
@@ -220,6 +241,7 @@ def format_estimate(est: MemoryEstimate, args) -> str:
         f"{'' if est.distributed_optimizer else used}",
         f"    distributed         {gib(est.optimizer_bytes_distributed):>12}  (sharded over "
         f"data parallel){used if est.distributed_optimizer else ''}",
+        f"  quantized weights     {gib(est.weight_cache_bytes):>12}  ({_weight_cache_text(args)})",
         f"  activations per layer {gib(est.activation_bytes_per_layer):>12}",
         f"  activations           {gib(est.activation_bytes):>12}  ({layers} layers + "
         f"embedding/output: {gib(est.activation_bytes_per_micro_batch)} per micro-batch, "
