@@ -84,19 +84,22 @@ def add_quantization_args(parser):
                             "(megatron-core's full [b, heads, s, s] scores: the reference path, "
                             "O(s^2) memory; for checks and benchmarks).")
     group.add_argument("--quant-kernels", type=str, default=None, choices=KERNEL_MODES,
-                       help="How fake quantization runs (bit for bit the same results in "
-                            "every mode): auto (default: fused Triton kernels for CUDA "
-                            "tensors where triton is installed and covers the call -- MX "
-                            "formats, HiFP8, NVFP4; fp32/bf16 operands -- eager PyTorch "
+                       help="How fake quantization runs (bit for bit the same quantized "
+                            "operands in every mode): auto (default: fused Triton kernels for "
+                            "CUDA tensors where triton is installed and covers the call -- MX "
+                            "formats, HiFP8, NVFP4; fp32/bf16 operands -- and the fused "
+                            "quantized-attention kernels where they cover the attention "
+                            "GEMMs' formats; eager PyTorch and the chunked attention "
                             "elsewhere), triton (the Triton kernels, an error for anything "
-                            "they do not cover), compile (torch.compile of the PyTorch "
-                            "code) or eager (plain PyTorch).")
+                            "they do not cover; on CPU tensors under TRITON_INTERPRET=1), "
+                            "compile (torch.compile of the PyTorch code) or eager (plain "
+                            "PyTorch).")
     group.add_argument("--quant-weight-cache", action=argparse.BooleanOptionalAction,
                        default=True,
                        help="Keep each quantized linear weight's QDQ copy per GEMM axis until "
                             "the next optimizer step (every micro-batch and recomputed forward "
                             "reuses it; bit for bit the same numbers). Costs two copies of every "
-                            "quantized weight, which the memory estimate does not count; "
+                            "quantized weight (counted by the memory estimate); "
                             "--no-quant-weight-cache quantizes at every use.")
     group.add_argument("--quant-compile", action="store_true",
                        help="Same as --quant-kernels compile: run fake quantization through "
