@@ -2,9 +2,12 @@
 the CPU: activations against real forwards (one process, and two TP ranks with sequence
 parallelism), parameters / gradients / optimizer state and the cached quantized weight copies
 against a real training step, parameter accounting against the published totals; the GPU's
-attention kernels and fused weight gradient; the launchers' layouts; errors; train_config.py."""
+attention kernels (the fused quantized-attention kernels against a real CPU run of them under
+Triton's interpreter) and fused weight gradient; the launchers' layouts; errors;
+train_config.py."""
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +34,11 @@ from test_distributed import _free_port
 TINY = ["--model-preset", "llama-tiny", "--seq-length", "128", "--micro-batch-size", "2",
         "--vocab-size", "512", "--bf16"]
 MXFP8_PV = ["--quant-scheme", "FA_linear_mxfp8", "--attn-pv-quant", "mxfp8"]
+# MX QK^T with NVFP4 P: the fused attention kernels quantize P in MX formats only.
+NVFP4_PV = ["--quant-scheme", "FA_linear_mxfp8", "--attn-pv-quant", "nvfp4"]
+# The chunked attention path, as a real CPU forward takes it: estimated as a GPU without
+# triton (or under --quant-kernels eager) runs it.
+CHUNKED = ["--quant-kernels", "eager"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
        "--moe-layer-freq", "[0,1,1]"]
 
@@ -50,15 +58,23 @@ def real_saved_bytes(args, num_layers: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("extra", [[], MXFP8_PV, MOE], ids=["bf16", "FA_linear_mxfp8-pv", "moe"])
+@pytest.mark.parametrize("extra", [
+    [], MXFP8_PV + CHUNKED, NVFP4_PV, MXFP8_PV + ["--reset-attention-mask"], MOE,
+], ids=["bf16", "FA_linear_mxfp8-pv-chunked", "nvfp4-pv", "FA_linear_mxfp8-pv-mask", "moe"])
 def test_activations_equal_a_real_cpu_forward(world_size_one, extra):
     """The meta-device measurement (2 layers, extrapolated) equals the bytes saved by a real
-    forward of the whole model; MoE: balanced routing saves what real routing saves."""
+    forward of the whole model; MoE: balanced routing saves what real routing saves. The
+    quantized attention takes the chunked path of the CPU run: under --quant-kernels eager,
+    or where the fused kernels do not cover it (NVFP4 P, an explicit mask), also under the
+    default."""
     args = me.parse_estimate_args(TINY + ["--num-layers", "3"] + extra)
     est = me.estimate_memory(args)
     three, two = real_saved_bytes(args, 3), real_saved_bytes(args, 2)
     assert est.activation_bytes_per_micro_batch == three
     assert est.activation_bytes_per_layer == three - two
+    quantized_attention = "--attn-pv-quant" in extra
+    assert any("quantized attention: the chunked path" in n for n in est.notes) == \
+        quantized_attention
 
 
 @pytest.mark.parametrize("extra", [
@@ -74,10 +90,11 @@ def test_recipes_activations_equal_a_real_cpu_forward(world_size_one, extra):
     args = me.parse_estimate_args(TINY + ["--num-layers", "3"] + extra)
     est = me.estimate_memory(args)
     assert est.activation_bytes_per_micro_batch == real_saved_bytes(args, 3)
+    # (The attention's note may name these too, as reasons for the chunked path.)
     notes = " ".join(est.notes)
-    assert ("stochastic rounding" in notes) == ("--fp8-format" not in extra)
-    assert ("Hadamard transform" in notes) == ("--fp8-format" not in extra)
-    assert ("delayed scaling" in notes) == ("--fp8-format" in extra)
+    assert ("stochastic rounding: each rounded operand" in notes) == ("--fp8-format" not in extra)
+    assert ("Hadamard transform: the GEMM" in notes) == ("--fp8-format" not in extra)
+    assert ("FP8 delayed scaling:" in notes) == ("--fp8-format" in extra)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp6_e3m2", "fp8_e4m3"])
@@ -121,23 +138,26 @@ def test_quantization_temporaries_on_meta_equal_the_real_ones(fmt):
 ], ids=["selective", "uniform-2", "block-2"])
 @pytest.mark.filterwarnings("ignore:If you are using transformer_engine")
 def test_recompute_activations_equal_a_real_cpu_forward(world_size_one, layers, recompute):
-    args = me.parse_estimate_args(TINY + MXFP8_PV + ["--num-layers", str(layers)] + recompute)
+    args = me.parse_estimate_args(TINY + MXFP8_PV + CHUNKED + ["--num-layers", str(layers)]
+                                  + recompute)
     est = me.estimate_memory(args)
     assert est.activation_bytes_per_micro_batch == real_saved_bytes(args, layers)
     if "full" in recompute:       # backward re-creates whole layers
         assert est.recompute_bytes >= est.activation_bytes_per_layer > 0
 
 
-def test_chunked_attention_is_linear_in_the_sequence(world_size_one):
+@pytest.mark.parametrize("kernels", ["eager", "auto"], ids=["chunked", "fused-kernels"])
+def test_quantized_attention_is_linear_in_the_sequence(world_size_one, kernels):
     def per_layer(seq, impl):
         args = me.parse_estimate_args(TINY + MXFP8_PV + [
-            "--seq-length", str(seq), "--micro-batch-size", "1", "--quant-attention-impl", impl])
+            "--seq-length", str(seq), "--micro-batch-size", "1", "--quant-attention-impl", impl,
+            "--quant-kernels", kernels])
         layout = me.Layout.from_args(args)
         return me.measure_activations(args, layout, 0, me.padded_vocab_size(args),
                                       temporary=False)[0]
 
-    chunked = [per_layer(s, "auto") for s in (256, 512, 1024)]
-    assert chunked[1] == 2 * chunked[0] and chunked[2] == 2 * chunked[1]
+    linear = [per_layer(s, "auto") for s in (256, 512, 1024)]
+    assert linear[1] == 2 * linear[0] and linear[2] == 2 * linear[1]
     unfused = [per_layer(s, "unfused") for s in (256, 1024)]   # full [b, heads, s, s] scores
     assert unfused[1] > 5 * unfused[0]
 
@@ -170,8 +190,8 @@ def test_tensor_and_sequence_parallel_ranks_save_what_is_estimated(tmp_path):
     """Two real TP ranks with sequence parallelism against the single-rank measurement with
     per-rank shapes and the SP model. At TP > 1 the vocabulary-parallel embedding also keeps
     its [b, s] boolean mask of out-of-range tokens, which one rank never creates."""
-    flags = TINY + MXFP8_PV + ["--num-layers", "3", "--tensor-model-parallel-size", "2",
-                               "--sequence-parallel"]
+    flags = TINY + MXFP8_PV + CHUNKED + ["--num-layers", "3", "--tensor-model-parallel-size",
+                                         "2", "--sequence-parallel"]
     worker = tmp_path / "worker.py"
     worker.write_text(_TP_WORKER.format(repo=REPO_ROOT, out=str(tmp_path)))
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
@@ -388,18 +408,26 @@ def test_largest_temporary_includes_the_fused_weight_gradient(monkeypatch):
     assert "aten.mm.default -> [1536, 256] float32" in products
 
 
-def test_quantized_attention_chunks_are_sized_as_on_the_gpu():
+SEQ_4096 = ["--num-layers", "2", "--seq-length", "4096", "--micro-batch-size", "1"]
+
+
+@pytest.mark.parametrize("attention", [MXFP8_PV + CHUNKED, NVFP4_PV],
+                         ids=["mxfp8-pv-without-triton", "nvfp4-pv"])
+def test_quantized_attention_chunks_are_sized_as_on_the_gpu(attention):
     """llama-tiny at seq 4096 (2 K/V groups of 4 query heads: 16384 rows of 4096 keys per
-    group): on an 80 GiB GPU a chunk holds every row, fp32 scores [2, 16384, 4096] = 512 MiB;
-    a GPU with 1 GiB leaves the 32 MiB chunks of a CPU, [2, 1024, 4096]."""
-    flags = TINY + MXFP8_PV + ["--num-layers", "2", "--seq-length", "4096",
-                               "--micro-batch-size", "1"]
+    group) on the chunked path (a GPU without triton; P in NVFP4, which the fused kernels do
+    not cover): on an 80 GiB GPU a chunk holds every row, fp32 scores [2, 16384, 4096] =
+    512 MiB; a GPU with 1 GiB leaves the 32 MiB chunks of a CPU, [2, 1024, 4096]."""
+    flags = TINY + attention + SEQ_4096
     large = me.estimate_memory(me.parse_estimate_args(flags))
     small = me.estimate_memory(me.parse_estimate_args(flags + ["--gpu-memory-gib", "1"]))
     assert large.largest_temporary_bytes == 2 * 16384 * 4096 * 4
-    assert "[2, 1, 16384, 4096] float32" in large.largest_temporary
     assert small.largest_temporary_bytes == 2 * 1024 * 4096 * 4
     assert large.activation_bytes == small.activation_bytes
+    if attention == NVFP4_PV:
+        assert any("chunked path" in n and "'nvfp4'" in n for n in large.notes), large.notes
+    else:
+        assert "[2, 1, 16384, 4096] float32" in large.largest_temporary
 
 
 @pytest.mark.parametrize("dtype,masked,expanded", [
@@ -446,6 +474,167 @@ def test_gpu_attention_paths_equal_a_real_cpu_forward(world_size_one, precision,
     three, two = real_saved_bytes(args, 3), real_saved_bytes(args, 2)
     assert est.activation_bytes_per_micro_batch == three
     assert est.activation_bytes_per_layer == three - two
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused quantized-attention kernels
+# ---------------------------------------------------------------------------------------------
+
+# llama-tiny's attention at TINY's shapes: batch 2, seq 128, 8 query heads in 2 K/V groups of
+# head dim 32. The grouped layout stacks a group's heads along the rows: G = batch x groups
+# blocks of R = heads per group x seq rows.
+BATCH, SEQ, HEADS, GROUPS, HEAD_DIM = 2, 128, 8, 2, 32
+G, R = BATCH * GROUPS, HEADS // GROUPS * SEQ
+
+
+def attention_run(args, device):
+    """One QuantDotProductAttention of llama-tiny (QK^T and PV in MXFP8) forward and backward
+    on `device` (meta: under the estimate's fused_attention_kernels_on_meta): the sorted bytes
+    of the storages saved for backward, and the sorted (bytes, op -> shape dtype) of every
+    storage its ops create."""
+    import test_attention_paths
+    from megatron.training.memory_estimate.kernels import (
+        LargestTemporaryMode, fused_attention_kernels_on_meta)
+
+    module = test_attention_paths._module(args, "mxfp8", "mxfp8")
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=generator).bfloat16()
+              .to(device).requires_grad_() for heads in (HEADS, GROUPS, GROUPS)]
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    created = LargestTemporaryMode()
+    with contextlib.ExitStack() as stack:
+        if device == "meta":
+            stack.enter_context(fused_attention_kernels_on_meta())
+        stack.enter_context(created)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(*inputs, None)
+        out.backward(torch.ones_like(out))
+    return sorted(saved.values()), sorted(created.outputs.values())
+
+
+def test_fused_attention_kernels_save_q_k_v_and_two_row_statistics(world_size_one):
+    """What the stand-in of the kernels keeps: q [G, R, d], k_t [G, d, s], v [G, s, d] (bf16)
+    and two fp32 [G, R] row statistics; what it creates includes those two and delta, fp32
+    [G, R], and nothing of a score chunk's size ([G, R, s])."""
+    saved, created = attention_run(me.parse_estimate_args(TINY), "meta")
+    bf16, fp32 = 2, 4
+    q, k, v, statistic = G * R * HEAD_DIM * bf16, G * HEAD_DIM * SEQ * bf16, \
+        G * SEQ * HEAD_DIM * bf16, G * R * fp32
+    assert saved == sorted([q, k, v, statistic, statistic])
+    row_vectors = [what for _, what in created if what.endswith(f"-> [{G}, {R}] float32")]
+    assert len(row_vectors) == 3, created
+    assert max(size for size, _ in created) < G * R * SEQ * bf16
+
+
+def test_fused_attention_kernels_add_two_row_statistics_per_layer(world_size_one):
+    """A covered config (MX QK^T and PV, bf16) saves per layer what the chunked path saves (q,
+    k_t, v) plus two fp32 [G, R] statistics; the report names the path."""
+    flags = TINY + MXFP8_PV + ["--num-layers", "3"]
+    fused = me.estimate_memory(me.parse_estimate_args(flags))
+    chunked = me.estimate_memory(me.parse_estimate_args(flags + CHUNKED))
+    assert fused.activation_bytes_per_layer - chunked.activation_bytes_per_layer == 2 * G * R * 4
+    assert fused.activation_bytes_per_micro_batch - chunked.activation_bytes_per_micro_batch \
+        == 3 * 2 * G * R * 4
+    assert any("quantized attention: the fused Triton kernels" in n for n in fused.notes)
+    assert any("chunked path" in n and "--quant-kernels eager" in n for n in chunked.notes)
+
+
+def test_fused_attention_kernels_make_no_score_chunks():
+    """At seq 4096 the chunked path's largest temporary is a 512 MiB chunk of fp32 scores
+    (test above); the fused kernels create none: the largest temporary stays below the
+    smallest chunk any GPU takes (32 MiB)."""
+    fused = me.estimate_memory(me.parse_estimate_args(TINY + MXFP8_PV + SEQ_4096))
+    assert fused.largest_temporary_bytes < 32 * 2 ** 20, fused.largest_temporary
+    assert "4096] float32" not in fused.largest_temporary
+
+
+def test_without_triton_here_the_estimate_measures_the_chunked_path(monkeypatch):
+    """The kernels' coverage check needs triton where the estimate runs: without it the
+    quantized attention is measured on the chunked path, and the report says why."""
+    from megatron.quantization import attention, kernels
+
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    monkeypatch.setattr(attention, "triton_available", lambda: False)
+    flags = TINY + MXFP8_PV + ["--num-layers", "2"]
+    without = me.estimate_memory(me.parse_estimate_args(flags))
+    monkeypatch.undo()
+    chunked = me.estimate_memory(me.parse_estimate_args(flags + CHUNKED))
+    assert without.activation_bytes == chunked.activation_bytes
+    assert any("chunked path" in n and "triton is not importable" in n for n in without.notes)
+
+
+_FUSED_WORKER = """
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+sys.path[:0] = [{repo!r}, {tests!r}]
+from megatron.quantization import attention
+from megatron.training import memory_estimate as me
+import test_memory_estimate as t
+
+# The module's own choice under --quant-kernels triton, for attention only: the fused kernels
+# on CPU tensors (under Triton's interpreter) where they cover the call; fake quantization
+# stays eager, as on the meta device.
+attention.kernels_mode = lambda: "triton"
+fused_calls = []
+run_kernels = attention.QuantDotProductAttention._fused_quantized
+def counted(self, *args, **kwargs):
+    fused_calls.append(1)
+    return run_kernels(self, *args, **kwargs)
+attention.QuantDotProductAttention._fused_quantized = counted
+
+args = me.parse_estimate_args(t.TINY + t.MXFP8_PV + ["--num-layers", "3"])
+with me.single_rank_process_group():
+    saved = [t.real_saved_bytes(args, layers) for layers in (3, 2)]
+    module_saved, module_created = t.attention_run(me.parse_estimate_args(t.TINY), "cpu")
+print(json.dumps(dict(saved=saved, fused_calls=len(fused_calls), module_saved=module_saved,
+                      module_created=module_created)))
+"""
+
+
+@pytest.fixture(scope="module")
+def kernels_on_the_cpu(tmp_path_factory):
+    """A real CPU run of the fused attention kernels under Triton's interpreter (which must be
+    set before triton is imported: a process of its own): the saved bytes of llama-tiny
+    under FA_linear_mxfp8 + PV with 3 and 2 layers, and one attention module's run."""
+    pytest.importorskip("triton")
+    worker = tmp_path_factory.mktemp("fused") / "worker.py"
+    worker.write_text(_FUSED_WORKER.format(repo=REPO_ROOT,
+                                           tests=os.path.join(REPO_ROOT, "tests")))
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TRITON_INTERPRET="1", OMP_NUM_THREADS="2")
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True,
+                          env=env, cwd=REPO_ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_fused_attention_estimate_equals_a_real_cpu_forward_through_the_kernels(
+        kernels_on_the_cpu):
+    """The kernels' own run (5 attention calls: 3 + 2 layers, plus the module's) saves what
+    the estimate measures with the stand-in, per micro-batch and per layer."""
+    assert kernels_on_the_cpu["fused_calls"] == 3 + 2 + 1
+    est = me.estimate_memory(me.parse_estimate_args(TINY + MXFP8_PV + ["--num-layers", "3"]))
+    three, two = kernels_on_the_cpu["saved"]
+    assert est.activation_bytes_per_micro_batch == three
+    assert est.activation_bytes_per_layer == three - two
+
+
+def test_fused_attention_stand_in_creates_what_the_kernels_create(kernels_on_the_cpu,
+                                                                  world_size_one):
+    """The same storages saved and the same op outputs (shape, dtype, bytes) on the meta
+    device as in the kernels' CPU run, less the launchers' 1-element debug placeholders and
+    the empty storages Triton's interpreter makes."""
+    saved, created = attention_run(me.parse_estimate_args(TINY), "meta")
+    real_created = [(size, what) for size, what in kernels_on_the_cpu["module_created"]
+                    if size > 0 and not what.endswith("-> [1] bfloat16")]
+    assert saved == kernels_on_the_cpu["module_saved"]
+    assert created == real_created
 
 
 # ---------------------------------------------------------------------------------------------

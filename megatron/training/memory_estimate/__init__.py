@@ -57,10 +57,25 @@ How the measurement stays faithful to a GPU run:
   the kernel keeps (one per layer). Grouped-query attention with an explicit mask or in fp32,
   which FlashAttention does not run, goes to a kernel that needs one K/V head per query head:
   K and V are expanded before the operator, and the expanded copies are what it saves.
-  The quantized attention's chunked and unfused paths run as they are, with the chunks a GPU
-  takes: a share of its free memory, taken as the GPU's memory less the persistent state
-  (parameters, gradients, optimizer state, quantized weights), as attention.chunk_bytes_for
-  sizes it.
+* Quantized attention takes the path a GPU takes under the run's --quant-kernels. With the
+  default (auto) a GPU with triton installed (pip install -e .[gpu]) runs the fused Triton
+  attention kernels wherever they cover the call. The module's own decision
+  (QuantDotProductAttention._runs_fused_kernels, with the kernels' unsupported_reason) is
+  asked with the meta operands presented as CUDA tensors; where it picks the kernels, their
+  autograd function runs as it is -- the whole operands it quantizes, what it saves: q, k_t,
+  v of the grouped layout and two fp32 [G, R] row statistics -- and only its two kernel
+  launches are replaced by the tensors they allocate (the output; delta [G, R] fp32, dQ,
+  dK^T, dV), so no chunk of scores appears. Calls the kernels do not cover (an observed site,
+  an explicit mask, P or dS in a format other than MX or rounded stochastically, head dims
+  over 128, the Hadamard transform, a QK^T fprop operand that is not reproducible, ...) and
+  every call under --quant-kernels eager or compile -- what a GPU without triton runs too --
+  take the chunked path, with the chunks a GPU takes: a share of its free memory, taken as
+  the GPU's memory less the persistent state (parameters, gradients, optimizer state,
+  quantized weights), as attention.chunk_bytes_for sizes it. The decision needs triton where
+  the estimate runs (the kernels' coverage check lives in the module that imports it);
+  without it every call is measured on the chunked path. The unfused path (attention
+  dropout, --quant-attention-impl unfused, ...) runs as it is. The report's notes name the
+  path measured and, for the chunked one, why.
 * MoE routing needs values, which meta tensors lack (megatron copies the tokens-per-expert counts
   to the CPU and splits by them). Routing is measured with a balanced assignment: top-k indices
   are given the values token t -> experts t*k .. t*k+k-1 (mod E), the routing tensors derived

@@ -13,8 +13,9 @@ from typing import Dict, List, Tuple
 import torch
 
 from megatron.training.memory_estimate.kernels import (
-    BalancedRoutingMode, GpuKernelsMode, LargestTemporaryMode, build_meta_model, cuda_to_meta,
-    gpu_free_memory_on_meta, stochastic_rounding_on_meta)
+    AttentionPaths, BalancedRoutingMode, GpuKernelsMode, LargestTemporaryMode, build_meta_model,
+    cuda_to_meta, fused_attention_kernels_on_meta, gpu_free_memory_on_meta,
+    stochastic_rounding_on_meta)
 from megatron.training.memory_estimate.layout import (
     Layout, moe_layers, per_rank_shapes, single_rank_args)
 
@@ -106,6 +107,8 @@ class StageMeasurement:
     saved_bytes: int                 # one micro-batch, one rank (sequence parallelism applied)
     temporary_bytes: int = 0
     temporary: str = "none"
+    # The quantized attention's path (meta device only: a CPU run takes its own).
+    attention: AttentionPaths = dataclasses.field(default_factory=AttentionPaths)
 
 
 def model_inputs(args, device):
@@ -163,12 +166,17 @@ def measure_saved(model, args, pre_process: bool, post_process: bool, device, tp
     """Saved bytes of one micro-batch through `model` (as one rank of a TP group with sequence
     parallelism when asked, see SavedStorage); with `backward` also the largest temporary of
     forward and backward. `gpu_free_bytes`: the GPU memory free for the quantized attention's
-    chunks (gpu_free_memory_on_meta), on the meta device.
+    chunks (gpu_free_memory_on_meta), on the meta device, where the quantized attention takes
+    the path a GPU with triton takes under the run's --quant-kernels
+    (fused_attention_kernels_on_meta).
 
-    Works on the meta device and on real CPU models alike (the tests compare the two).
+    Works on the meta device and on real CPU models alike (the tests compare the two; a CPU
+    run takes the chunked attention path unless it runs the kernels under Triton's
+    interpreter).
     """
     meter = SavedTensorMeter(model)
     temporaries = LargestTemporaryMode()
+    attention = AttentionPaths()
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_own_moe_loss_tracker())
@@ -177,6 +185,8 @@ def measure_saved(model, args, pre_process: bool, post_process: bool, device, tp
                 stack.enter_context(cuda_to_meta())
                 stack.enter_context(stochastic_rounding_on_meta())
                 stack.enter_context(gpu_free_memory_on_meta(gpu_free_bytes))
+                attention = stack.enter_context(fused_attention_kernels_on_meta(
+                    getattr(args, "quant_kernels", None) or "auto"))
             if routing:
                 stack.enter_context(BalancedRoutingMode())
             if backward:
@@ -185,11 +195,11 @@ def measure_saved(model, args, pre_process: bool, post_process: bool, device, tp
                 output, grad = run_forward(model, args, pre_process, post_process, device)
             saved = meter.bytes(tp, sequence_parallel)
             if not backward:
-                return StageMeasurement(saved)
+                return StageMeasurement(saved, attention=attention)
             kept = set(meter.saved) | meter.params
             output.backward(grad)
             size, what = temporaries.largest(kept)
-            return StageMeasurement(saved, size, what)
+            return StageMeasurement(saved, size, what, attention)
     finally:
         meter.close()
 

@@ -1,12 +1,14 @@
 """Running megatron on the meta device as a GPU would: a single-rank process group, CUDA
 placements kept on the meta device, the single-rank model built there, and the torch function /
-dispatch modes of a measurement -- the GPU's fused attention and RMSNorm kernels, the largest
-temporary, and a balanced MoE routing (see the package docstring)."""
+dispatch modes of a measurement -- the GPU's fused attention and RMSNorm kernels, the fused
+quantized-attention kernels, the largest temporary, and a balanced MoE routing (see the package
+docstring)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -160,6 +162,128 @@ def gpu_free_memory_on_meta(free_bytes: Optional[int]):
         attention.free_device_bytes = device_free
 
 
+class _AsOnCuda:
+    """A meta tensor as the quantized attention's path decision sees it on a GPU: on a CUDA
+    device, every other attribute (dtype, sizes) the tensor's own."""
+
+    device = torch.device("cuda")
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    def __getattr__(self, name):
+        return getattr(self._tensor, name)
+
+
+@dataclasses.dataclass
+class AttentionPaths:
+    """The path each quantized attention call of a measurement took: how many ran the fused
+    Triton kernels, and why the others stayed on the chunked path (reason -> calls)."""
+
+    fused: int = 0
+    chunked: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _chunked_reason(module, mode: str, qk_cfg, pv_cfg, q, v, attention_mask,
+                    observed) -> str:
+    """Why the module keeps a call on the chunked path (its decision was no), in words."""
+    if mode not in ("auto", "triton"):
+        return f"--quant-kernels {mode}"
+    if observed:
+        return "an observer watches the attention GEMMs"
+    return module._fused_kernels_reason(qk_cfg, pv_cfg, q, v, attention_mask) or "unknown"
+
+
+def _kernel_forward_on_meta(q, k_t, v, formats, softmax_scale, causal, sq,
+                            skip_masked_tiles=True, debug=False):
+    """kernels.attention.attention_forward's allocations on meta operands: the output and
+    the two fp32 row statistics (plus any contiguous copy of an operand); no launch."""
+    from megatron.quantization.kernels import attention as fused
+
+    q, k_t, v = fused._operands(sq, q=q, k_t=k_t, v=v)
+    groups, rows, _ = q.shape
+    out = torch.empty(groups, rows, v.size(2), dtype=q.dtype, device=q.device)
+    row_max = torch.empty(groups, rows, dtype=torch.float32, device=q.device)
+    return fused.ForwardResult(out, row_max, torch.empty_like(row_max), {})
+
+
+def _kernel_backward_on_meta(grad_out_dgrad, grad_out_wgrad, q, q_wgrad, k_t, k_t_dgrad,
+                             v_dgrad, row_max, row_sum, formats, softmax_scale, causal, sq,
+                             skip_masked_tiles=True, debug=False):
+    """kernels.attention.attention_backward's allocations on meta operands: delta (fp32 per
+    row), dQ, dK^T and dV (plus any contiguous copy of an operand); no launch."""
+    from megatron.quantization.kernels import attention as fused
+
+    q, k_t, _, _, v_dgrad, _, _ = fused._operands(
+        sq, q=q, k_t=k_t, q_wgrad=q_wgrad, k_t_dgrad=k_t_dgrad, v_dgrad=v_dgrad,
+        grad_out_dgrad=grad_out_dgrad, grad_out_wgrad=grad_out_wgrad)
+    delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    return fused.BackwardResult(torch.empty_like(q), torch.empty_like(k_t),
+                                torch.empty_like(v_dgrad), delta, {})
+
+
+def _on_meta(stand_in, launcher):
+    """`stand_in` for meta operands, the real `launcher` for any other."""
+
+    def dispatch(first, *args, **kwargs):
+        return (stand_in if first.is_meta else launcher)(first, *args, **kwargs)
+
+    return dispatch
+
+
+@contextlib.contextmanager
+def fused_attention_kernels_on_meta(mode: str = "auto"):
+    """The quantized attention's path as a GPU with triton takes it, under --quant-kernels
+    `mode`; yields the AttentionPaths the calls took.
+
+    The module decides (QuantDotProductAttention._runs_fused_kernels, the kernels'
+    unsupported_reason) with meta operands presented as CUDA ones, so it picks the fused
+    Triton kernels wherever they cover the call on a GPU and the chunked path elsewhere. The
+    kernels' autograd function then runs as it is -- its operand quantizations, what it saves
+    (q, k_t, v and two fp32 [G, R] row statistics) -- and only the two kernel launches are
+    replaced by the allocations they make. Without triton here nothing can be decided: every
+    call stays chunked, and the reason says so. Restored on exit.
+    """
+    from megatron.quantization import attention
+    from megatron.quantization.kernels import triton_available
+
+    paths = AttentionPaths()
+    module_class = attention.QuantDotProductAttention
+    decide = module_class._runs_fused_kernels
+
+    def runs_fused_kernels(self, qk_cfg, pv_cfg, q, v, attention_mask, observed):
+        if not q.is_meta:
+            return decide(self, qk_cfg, pv_cfg, q, v, attention_mask, observed)
+        q, v = _AsOnCuda(q), _AsOnCuda(v)
+        fused = decide(self, qk_cfg, pv_cfg, q, v, attention_mask, observed)
+        if fused:
+            paths.fused += 1
+        else:
+            reason = _chunked_reason(self, mode, qk_cfg, pv_cfg, q, v, attention_mask,
+                                     observed)
+            paths.chunked[reason] = paths.chunked.get(reason, 0) + 1
+        return fused
+
+    # The run's --quant-kernels for the attention's decision only: fake quantization on the
+    # meta device stays eager.
+    patches = [(module_class, "_runs_fused_kernels", runs_fused_kernels),
+               (attention, "kernels_mode", lambda: mode)]
+    if triton_available():
+        from megatron.quantization.kernels import attention as fused
+        patches += [(fused, "attention_forward",
+                     _on_meta(_kernel_forward_on_meta, fused.attention_forward)),
+                    (fused, "attention_backward",
+                     _on_meta(_kernel_backward_on_meta, fused.attention_backward))]
+    kept = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield paths
+    finally:
+        for owner, name, value in kept:
+            setattr(owner, name, value)
+
+
 def build_meta_model(args, pre_process: bool = True, post_process: bool = True,
                      expert_parallel: int = 1):
     """GPTModel of single-rank `args` on the meta device, quantized as `args` says.
@@ -297,7 +421,9 @@ class LargestTemporaryMode(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.outputs: Dict[int, Tuple[int, str]] = {}
-        self._keep: List[torch.Tensor] = []
+        # The storages themselves, so their ids are never reused: a tensor may move to
+        # another storage (set_, as Triton's interpreter does), freeing the one recorded.
+        self._keep: List[torch.UntypedStorage] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -310,7 +436,7 @@ class LargestTemporaryMode(TorchDispatchMode):
                     dtype = str(t.dtype).replace("torch.", "")
                     self.outputs[key] = (t.untyped_storage().nbytes(),
                                          f"{func} -> {list(t.shape)} {dtype}")
-                    self._keep.append(t)
+                    self._keep.append(t.untyped_storage())
         return out
 
     def largest(self, kept: Iterable[int]) -> Tuple[int, str]:

@@ -12,7 +12,7 @@ import torch
 
 from megatron.training.errors import ConfigError
 from megatron.training.memory_estimate.activations import measure_activations, recompute_bytes
-from megatron.training.memory_estimate.kernels import single_rank_process_group
+from megatron.training.memory_estimate.kernels import AttentionPaths, single_rank_process_group
 from megatron.training.memory_estimate.layout import (
     DEFAULT_GPU_MEMORY_GIB, Layout, padded_vocab_size, parse_estimate_args)
 from megatron.training.memory_estimate.parameters import (
@@ -111,6 +111,7 @@ def _estimate_stage(args, layout: Layout, stage: int, params: StageParameters, v
              "save counts 1/TP" if layout.sequence_parallel else "no sequence parallelism"]
     if args.num_experts is not None:
         notes.append("MoE routing measured balanced (token t -> experts t*k .. t*k+k-1)")
+    notes += attention_notes(measured.attention)
     notes += quantization_notes(args)
     return MemoryEstimate(
         stage=stage, pipeline_stages=layout.pp, parameters=params.count,
@@ -144,6 +145,22 @@ def _site_configs(quant_config) -> list:
         elif hasattr(value, "configs"):             # recipes.RecipeRules
             values.append(value.configs)
     return found
+
+
+def attention_notes(paths: AttentionPaths) -> List[str]:
+    """Which path the quantized attention was measured on: the fused Triton kernels or the
+    chunked path, and why not the kernels. Nothing for attention that makes no such choice
+    (unquantized: SDPA's fused kernel; the unfused path of --quant-attention-impl unfused or
+    attention dropout)."""
+    notes = []
+    if paths.fused:
+        notes.append("quantized attention: the fused Triton kernels a GPU with triton runs "
+                     "(each layer saves q, k, v and two fp32 row statistics; no chunks); a GPU "
+                     "without triton runs the chunked path, estimated with --quant-kernels eager")
+    for reason in paths.chunked:
+        notes.append(f"quantized attention: the chunked path with a GPU's chunks (the fused "
+                     f"Triton kernels do not run it: {reason})")
+    return notes
 
 
 def quantization_notes(args) -> List[str]:
