@@ -25,8 +25,6 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-import torch  # noqa: E402
-
 import pretrain_gpt  # noqa: E402
 from megatron.quantization.observers import register_observer, unregister_observer  # noqa: E402
 from megatron.training import training  # noqa: E402

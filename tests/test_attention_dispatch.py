@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from interpreted import require_interpreter, run_interpreted
 
 SQ, HEADS, GROUPS, DIM = 80, 4, 2, 32
 
@@ -118,12 +119,7 @@ def interpreter_checks():
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__, timeout=1200)
 
 
 def test_triton_mode_runs_the_fused_kernels_in_the_module(results):
@@ -181,8 +177,7 @@ def test_cpu_tensors_take_the_chunked_path_outside_triton_mode(world_size_one, m
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the tests in this file do)")
+    require_interpreter()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import warnings

@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+from interpreted import require_interpreter, run_interpreted
+
 G_GROUPS, HEADS_PER_GROUP = 2, 2
 SHAPES = {                     # sq, sk, d, dv
     "sq64": (64, 64, 32, 32),
@@ -282,9 +284,7 @@ def run_case(shape, fmts, causal, kind, dtype_name, seed=0):
 
 
 def autograd_case(dtype_name):
-    """TritonQuantizedAttention.apply gives the debug entry points' results, and gradients
-    reach only the tensors that need them."""
-    import torch
+    """TritonQuantizedAttention.apply gives the entry points' results bit for bit."""
     from megatron.quantization.kernels import attention as kernels
     dtype = torch_dtype(dtype_name)
     qk_cfg, pv_cfg = _configs("mixed")
@@ -434,12 +434,7 @@ def run_all(selected=None):
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__, timeout=900)
 
 
 def _cases(results):
@@ -557,8 +552,7 @@ if __name__ == "__main__":
             sys.exit("compile without TRITON_INTERPRET")
         print(json.dumps(compile_for_h100()))
         sys.exit(0)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the tests in this file do)")
+    require_interpreter()
     import numpy as np
     np.seterr(all="ignore")     # the interpreter's numpy: exp(-inf) and 0 * inf are intended
     import torch

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from interpreted import require_interpreter, run_interpreted
 
 MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4")
 SCALE_MODES = ("floor", "rceil")
@@ -231,12 +232,7 @@ def run_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def kernel_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("group", ["random3d", "specials", "midpoints"])
@@ -354,8 +350,7 @@ def test_quant_compile_contradicting_quant_kernels_is_an_error():
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the tests in this file do)")
+    require_interpreter()
     import numpy as np
     np.seterr(all="ignore")     # the interpreter's numpy: 1/0 and overflow are intended
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -379,7 +379,7 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k_t, v = ctx.saved_tensors
-        gemms, softmax_fn, bounds, extents = ctx.gemms, ctx.softmax_fn, ctx.bounds, ctx.extents
+        gemms, bounds, extents = ctx.gemms, ctx.bounds, ctx.extents
         qk_cfg, pv_cfg = gemms.qk_cfg, gemms.pv_cfg
         qk_scales, pv_scales = (dict(s) for s in ctx.scales)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
