@@ -212,7 +212,10 @@ def _block_view(t: torch.Tensor, axis: int, size: int):
     pad = -t.shape[axis] % size
     if pad:
         t = _pad_axis(t, axis, pad)
-    return t.unflatten(axis, (t.shape[axis] // size, size)), pad
+    # view, not unflatten: Tensor.unflatten is Python code that torch.compile cannot trace
+    # under a TorchFunctionMode (a graph break)
+    shape = t.shape
+    return t.view(*shape[:axis], shape[axis] // size, size, *shape[axis + 1:]), pad
 
 
 def _device_table(tables: dict, key, device: torch.device) -> torch.Tensor:

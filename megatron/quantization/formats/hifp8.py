@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from megatron.quantization.formats.common import (
     HIFP8_MAX, HIFP8_OVERFLOW, MAX_SHARED_EXPONENT, MIN_SHARED_EXPONENT,
-    HIFP8_DEFAULT_TARGET_EXPONENT, _bit_layout, _check_saturate, _check_tensor, _device_table,
-    _pow2, _to_compute)
+    HIFP8_DEFAULT_TARGET_EXPONENT, _bit_layout, _check_saturate, _check_tensor, _compute_dtype,
+    _device_table, _pow2, _to_compute)
 
 def _hifp8_spacing_exponent(e: int) -> int:
     """log2 of the HiF8 rounding step for a value with floor(log2|x|) = e.
@@ -96,6 +96,16 @@ def _hifp8_half_table(dtype: torch.dtype, saturate: bool, device: torch.device) 
 
 
 _HALF_TABLES = {}
+
+
+def _prepare_tables(dtype: torch.dtype, saturate: bool, device: torch.device) -> None:
+    """Build the lookup table that HiFP8 of `dtype` inputs reads on `device`, ahead of a
+    torch.compile trace: built inside it, the table would be part of the graph and the graph
+    compiled again once the table exists."""
+    if dtype in (torch.bfloat16, torch.float16):
+        _hifp8_half_table(dtype, saturate, device)
+    else:
+        _device_table(_HIFP8_TABLES, _compute_dtype(dtype), device)
 
 
 def _hifp8_fake_quantize(x: torch.Tensor, saturate: bool) -> torch.Tensor:
