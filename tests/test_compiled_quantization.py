@@ -20,6 +20,8 @@ from torch._dynamo.utils import counters
 from megatron.quantization import formats
 from megatron.quantization.formats import fake_quantize
 
+from conftest import kernel_mode
+
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 BLOCK_SIZES = {"mx": 32, "nvfp4": 16, "fp8": 128}
 
@@ -141,16 +143,6 @@ def assert_same_bits(expected: torch.Tensor, actual: torch.Tensor, what) -> None
     bits = BITS[expected.dtype]
     differ = (expected.view(bits) != actual.view(bits)) & ~nan
     assert not differ.any(), (what, expected[differ][:8], actual[differ][:8])
-
-
-@contextlib.contextmanager
-def kernel_mode(mode: str):
-    previous = formats.kernels_mode()
-    formats.set_kernels(mode)
-    try:
-        yield
-    finally:
-        formats.set_kernels(previous)
 
 
 @contextlib.contextmanager

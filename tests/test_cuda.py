@@ -23,14 +23,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pretrain_gpt
 from megatron.quantization import attention as attention_module
-from megatron.quantization import formats
 from megatron.quantization.formats import fake_quantize
 from megatron.quantization.gemm import (
     MatmulQuantConfig, OperandFormats, SiteState, quantized_linear, quantized_matmul)
 from megatron.training.presets import NATIVE_VOCAB_SIZE
 from megatron.training.training import pretrain
 
-from conftest import TINY_MOCK_ARGS
+from conftest import TINY_MOCK_ARGS, kernel_mode
 from test_distributed import torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -114,16 +113,6 @@ def observed_quantizations(kind: str, shape, fmt: str, dtype, device) -> dict:
         out = quantized_matmul(a, b, config, observer=observer, state=state)
     out.backward(grad)
     return seen
-
-
-@contextlib.contextmanager
-def kernel_mode(mode: str):
-    previous = formats.kernels_mode()
-    formats.set_kernels(mode)
-    try:
-        yield
-    finally:
-        formats.set_kernels(previous)
 
 
 @contextlib.contextmanager
