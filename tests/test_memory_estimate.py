@@ -223,8 +223,12 @@ def _batches(args):
                "position_ids": torch.arange(s).expand(b, s)}
 
 
-def _allocated_by_one_training_step(flags, monkeypatch):
-    """(parameter, DDP grad-buffer, optimizer-state bytes) of a real one-step CPU run."""
+@contextlib.contextmanager
+def _after_one_training_step(flags, monkeypatch):
+    """(DDP model, raw model, optimizer) after a real one-step CPU run of `flags` (weight
+    cache as the run sets it)."""
+    from megatron.quantization.gemm import set_weight_cache
+
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     args = validate_args(parse_args(flags + ["--mock-data", "--train-iters", "1", "--lr", "1e-3"]),
@@ -232,10 +236,20 @@ def _allocated_by_one_training_step(flags, monkeypatch):
     initialize_distributed(args)
     try:
         set_random_seeds(args.seed)
+        set_weight_cache(args.quant_weight_cache)
         args.padded_vocab_size = me.padded_vocab_size(args)
         ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
         train_step(pretrain_gpt.forward_step, _batches(args), ddp_model, optimizer, scheduler,
                    args)
+        yield ddp_model, raw_model, optimizer
+    finally:
+        set_weight_cache(True)
+        destroy_distributed()
+
+
+def _allocated_by_one_training_step(flags, monkeypatch):
+    """(parameter, DDP grad-buffer, optimizer-state bytes) of a real one-step CPU run."""
+    with _after_one_training_step(flags, monkeypatch) as (ddp_model, raw_model, optimizer):
         params = {id(p): p for p in raw_model.parameters()}.values()
         param_storages = {p.untyped_storage()._cdata for p in params}
         grad_buffers = list(ddp_model.buffers) + list(ddp_model.expert_parallel_buffers)
@@ -249,8 +263,6 @@ def _allocated_by_one_training_step(flags, monkeypatch):
                          if k in ("exp_avg", "exp_avg_sq"))
         return (sum(p.nbytes for p in params),
                 sum(b.grad_data.nbytes for b in grad_buffers), state)
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.parametrize("extra", [
@@ -302,29 +314,6 @@ def test_parameter_accounting_adds_up_to_the_published_totals(name, flags, world
 # ---------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _after_one_training_step(flags, monkeypatch):
-    """The raw model of a real one-step CPU run of `flags` (weight cache as the run sets it)."""
-    from megatron.quantization.gemm import set_weight_cache
-
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("RANK", raising=False)
-    args = validate_args(parse_args(flags + ["--mock-data", "--train-iters", "1", "--lr", "1e-3"]),
-                         check_paths=False)
-    initialize_distributed(args)
-    try:
-        set_random_seeds(args.seed)
-        set_weight_cache(args.quant_weight_cache)
-        args.padded_vocab_size = me.padded_vocab_size(args)
-        ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
-        train_step(pretrain_gpt.forward_step, _batches(args), ddp_model, optimizer, scheduler,
-                   args)
-        yield raw_model
-    finally:
-        set_weight_cache(True)
-        destroy_distributed()
-
-
 def _cached_copy_bytes(model) -> int:
     """Bytes of the tensors the model's GEMM sites keep in their weight caches that are not
     parameters (once per storage)."""
@@ -356,7 +345,7 @@ def test_quantized_weight_copies_equal_a_real_training_step(monkeypatch, case):
     """What the GEMM sites of a real run still hold after its optimizer step (the copies are
     replaced at the next forward, never freed) against the estimate."""
     flags = TINY + ["--num-layers", "2"] + WEIGHT_CACHE_CASES[case]
-    with _after_one_training_step(flags, monkeypatch) as model:
+    with _after_one_training_step(flags, monkeypatch) as (_, model, _):
         real = _cached_copy_bytes(model)
     est = me.estimate_memory(me.parse_estimate_args(flags))
     assert est.weight_cache_bytes == real
