@@ -107,6 +107,12 @@ from megatron.quantization.kernels.mx import _format_constants, mx_quantize_bloc
 FORWARD_TILE = (64, 64)
 BACKWARD_QUERY_TILE = (32, 64)
 BACKWARD_KEY_TILE = (32, 64)
+# Under Triton's interpreter every kernel takes this one tile shape. There tl.dot is numpy's
+# matmul, whose float32 summation order depends on the operands' shapes (OpenBLAS picks its
+# kernels by size), so the backward kernels recompute the forward's QK^T, and so P, bit for
+# bit only when all of them multiply tiles of one shape. On a GPU the reduction over the head
+# dim runs in one order whatever the tile's rows and keys.
+INTERPRETER_TILE = (32, 64)
 NUM_WARPS = 8
 MAX_HEAD_DIM = 128  # largest d and dv (padded to a power of two in registers)
 MASK_FILL = tl.constexpr(-10000.0)   # megatron's attention_mask_func fill
@@ -454,6 +460,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
+def launch_tile(tile: tuple) -> tuple:
+    """The (query rows, keys) tile a kernel launches with: `tile` on a GPU, INTERPRETER_TILE
+    under the interpreter."""
+    return INTERPRETER_TILE if interpreter_enabled() else tile
+
+
 def _launch_options(dtype: torch.dtype, head_dim: int, value_dim: int, tile) -> dict:
     """The constexprs and compile options of a launch with (query rows, keys) tiles."""
     dot_bf16 = dtype == torch.bfloat16 and not interpreter_enabled()
@@ -516,12 +528,13 @@ def attention_forward(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor,
     row_max = torch.empty(g, rows, dtype=torch.float32, device=q.device)
     row_sum = torch.empty_like(row_max)
     dbg = _debug_tensors(("probs", "probs_q"), q, rows, sk, debug)
-    _forward_kernel[(triton.cdiv(rows, FORWARD_TILE[0]), g)](
+    tile = launch_tile(FORWARD_TILE)
+    _forward_kernel[(triton.cdiv(rows, tile[0]), g)](
         _bits(q), _bits(k_t), _bits(v), _bits(out), row_max, row_sum,
         _bits(dbg["probs"]), _bits(dbg["probs_q"]), float(softmax_scale), rows, sq, sk, d, dv,
         P_FMT=_slot_constants(formats.probs, formats.pv_scale_mode), CAUSAL=bool(causal),
         SKIP=bool(causal and skip_masked_tiles), DEBUG=debug,
-        **_launch_options(q.dtype, d, dv, FORWARD_TILE))
+        **_launch_options(q.dtype, d, dv, tile))
     return ForwardResult(out, row_max, row_sum, dbg if debug else {})
 
 
@@ -557,17 +570,18 @@ def attention_backward(grad_out_dgrad: torch.Tensor, grad_out_wgrad: torch.Tenso
     grad_v = torch.empty_like(v_dgrad)
     dbg = _debug_tensors(("score_grad", "score_grad_q", "probs", "score_grad_2", "probs_rows_q",
                           "score_grad_rows_q"), q, rows, sk, debug)
-    _backward_query_kernel[(triton.cdiv(rows, BACKWARD_QUERY_TILE[0]), g)](
+    query_tile, key_tile = launch_tile(BACKWARD_QUERY_TILE), launch_tile(BACKWARD_KEY_TILE)
+    _backward_query_kernel[(triton.cdiv(rows, query_tile[0]), g)](
         _bits(q), _bits(k_t), _bits(k_t_dgrad), _bits(v_dgrad), _bits(grad_out_dgrad),
         row_max, row_sum, delta, _bits(grad_q), _bits(dbg["score_grad"]),
         _bits(dbg["score_grad_q"]), scale, rows, sq, sk, d, dv, DS_FMT=ds_keys, **common,
-        **_launch_options(q.dtype, d, dv, BACKWARD_QUERY_TILE))
-    _backward_key_kernel[(triton.cdiv(sk, BACKWARD_KEY_TILE[1]), g)](
+        **_launch_options(q.dtype, d, dv, query_tile))
+    _backward_key_kernel[(triton.cdiv(sk, key_tile[1]), g)](
         _bits(q), _bits(q_wgrad), _bits(k_t), _bits(v_dgrad), _bits(grad_out_dgrad),
         _bits(grad_out_wgrad), row_max, row_sum, delta, _bits(grad_k_t), _bits(grad_v),
         _bits(dbg["probs"]), _bits(dbg["probs_rows_q"]), _bits(dbg["score_grad_2"]),
         _bits(dbg["score_grad_rows_q"]), scale, rows, sq, sk, d, dv, P_FMT=p_rows,
-        DS_FMT=ds_rows, **common, **_launch_options(q.dtype, d, dv, BACKWARD_KEY_TILE))
+        DS_FMT=ds_rows, **common, **_launch_options(q.dtype, d, dv, key_tile))
     return BackwardResult(grad_q, grad_k_t, grad_v, delta, dbg if debug else {})
 
 
