@@ -59,9 +59,9 @@ probe: install
 test: install
 	$(PY) -m pytest -q tests
 
-# The CPU suite hides GPUs from itself (tests/conftest.py); this runs the CUDA tests on them.
+# The CPU suite hides GPUs from itself (tests/conftest.py); this runs the CUDA tests (tests/gpu) on them.
 gpu-check: install
-	MEGATRON_LOWP_GPU_TESTS=1 $(PY) -m pytest -q tests/test_cuda*.py
+	MEGATRON_LOWP_GPU_TESTS=1 $(PY) -m pytest -q tests/gpu
 	$(PY) benchmarks/gpu_throughput.py
 
 bench: install

@@ -6,16 +6,35 @@ import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+# One folder per package under test; the shared helpers (references, fakedisk, interpreted)
+# live here. Test modules import each other's helpers by module name, so every folder is on
+# the path (module names are unique across folders).
+TEST_FOLDERS = [TESTS_DIR] + sorted(
+    os.path.join(TESTS_DIR, name) for name in os.listdir(TESTS_DIR)
+    if os.path.isdir(os.path.join(TESTS_DIR, name)) and not name.startswith(("_", ".")))
+for _path in [REPO_ROOT] + TEST_FOLDERS:
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+
+def child_env(**extra) -> dict:
+    """The environment of a child process (torchrun, a tool, a script): the repository and the
+    test folders put in front of the caller's PYTHONPATH, never in its place (megatron.core may
+    come from PYTHONPATH, as on many clusters)."""
+    env = dict(os.environ, **extra)
+    paths = [REPO_ROOT] + TEST_FOLDERS + [p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 # The CPU suite runs on the CPU even on a GPU node (its multi-rank tests put several ranks on
 # one machine, and its exact expectations are CPU ones): it hides the GPUs from itself, before
 # anything initialises CUDA. `make gpu-check` sets MEGATRON_LOWP_GPU_TESTS=1 and runs the
-# CUDA tests (tests/test_cuda*.py) on the device.
+# CUDA tests (tests/gpu) on the device.
 GPU_TESTS = os.environ.get("MEGATRON_LOWP_GPU_TESTS") == "1"
 if not GPU_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""

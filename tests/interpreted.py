@@ -10,12 +10,12 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, child_env
 
 
 def run_interpreted(test_file: str, timeout: int, *args: str) -> dict:
     """The JSON line `test_file`, run as a script under the interpreter, prints last."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = child_env(TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, os.path.abspath(test_file), *args], env=env,
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, child_env
 
 PACKAGE_DIR = os.path.join(REPO_ROOT, "megatron")
 # Each package may import itself and the packages listed after it, nothing else of ours.
@@ -156,7 +156,7 @@ BUILD_IN_A_FRESH_INTERPRETER = """
 
 
 def test_model_build_does_not_depend_on_import_order(tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, WORLD_SIZE="1", RANK="0")
+    env = child_env(WORLD_SIZE="1", RANK="0")
     done = _run(BUILD_IN_A_FRESH_INTERPRETER, str(tmp_path), env)
     assert done.returncode == 0, done.stderr[-3000:]
     got = done.stdout.strip().splitlines()[-1]

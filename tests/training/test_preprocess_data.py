@@ -13,8 +13,9 @@ import pytest
 
 from megatron.training import preprocess_data
 from megatron.training.tokenizer import Llama3Tokenizer
+from conftest import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(REPO_ROOT)
 
 DOCS = [
     {"text": "The capital of France is Paris.", "id": 1},

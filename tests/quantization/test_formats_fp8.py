@@ -19,8 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import fp8_reference as R  # noqa: E402
 from megatron.quantization.formats import fake_quantize, fake_quantize_compiled  # noqa: E402
 from megatron.quantization.formats.fp8 import (  # noqa: E402

@@ -7,7 +7,7 @@ import subprocess
 from megatron.analysis.statistics import load_json
 from test_analysis_losses import LOG_BF16, _scaled_log
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO_ROOT
 DRAW = os.path.join(REPO_ROOT, "run_tensor_draw.sh")
 
 

@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import format_reference as ref  # noqa: E402
 from megatron.quantization import (  # noqa: E402
     FORMAT_NAMES,

@@ -27,7 +27,7 @@ from megatron.training.model import build_gpt_model, core_transformer_config_fro
 from megatron.training.presets import PUBLISHED_PARAMETER_COUNTS
 from megatron.training.training import setup_model_and_optimizer, train_step
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, child_env
 from test_distributed import _free_port
 
 # llama-tiny's features (GQA, RoPE, SwiGLU, RMSNorm, tied embeddings) at test size.
@@ -194,7 +194,7 @@ def test_tensor_and_sequence_parallel_ranks_save_what_is_estimated(tmp_path):
                                          "2", "--sequence-parallel"]
     worker = tmp_path / "worker.py"
     worker.write_text(_TP_WORKER.format(repo=REPO_ROOT, out=str(tmp_path)))
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(_free_port()), str(worker), *flags],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -594,7 +594,7 @@ def kernels_on_the_cpu(tmp_path_factory):
     worker = tmp_path_factory.mktemp("fused") / "worker.py"
     worker.write_text(_FUSED_WORKER.format(repo=REPO_ROOT,
                                            tests=os.path.join(REPO_ROOT, "tests")))
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TRITON_INTERPRET="1", OMP_NUM_THREADS="2")
+    env = child_env(TRITON_INTERPRET="1", OMP_NUM_THREADS="2")
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
     proc = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True,

@@ -20,7 +20,7 @@ from megatron.tensor_capture.roles import tensor_names
 from megatron.tensor_capture.stats import compute_stats
 from megatron.training.arguments import ConfigError, parse_args, validate_args
 
-from conftest import TINY_MOCK_ARGS
+from conftest import REPO_ROOT, TINY_MOCK_ARGS
 
 ARGS = TINY_MOCK_ARGS + ["--train-iters", "3"]
 
@@ -202,7 +202,7 @@ def test_unwritable_capture_directory_fails_before_training(tmp_path, monkeypatc
 # Schedules and capture rules (--tensor-save-iters / --tensor-save-interval / --tensor-save-config)
 # ---------------------------------------------------------------------------------------------
 
-REPO_DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+REPO_DOCS = os.path.join(REPO_ROOT, "docs")
 QKV = site_info(GemmSite("decoder.layers.0.self_attention.linear_qkv", "linear", 1,
                          MatmulQuantConfig()))
 FC1 = site_info(GemmSite("decoder.layers.1.mlp.linear_fc1", "linear", 2, MatmulQuantConfig()))

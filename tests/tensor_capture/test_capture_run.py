@@ -20,7 +20,7 @@ from megatron.tensor_capture.load import (
 from megatron.training.errors import ConfigError
 from megatron.training.training import TrainingCallback, pretrain
 
-from conftest import REPO_ROOT, TINY_MOCK_ARGS
+from conftest import REPO_ROOT, TINY_MOCK_ARGS, child_env
 
 SCHEME = "FA_linear_mxfp8"
 # 2 micro-batches of 2 per iteration (global batch 4).
@@ -218,7 +218,7 @@ def _free_port():
 
 
 def test_tensor_parallel_ranks_write_distinct_files(tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(_free_port()), os.path.join(REPO_ROOT, "pretrain_gpt.py"),
            *TINY_MOCK_ARGS, "--train-iters", "3", "--tensor-model-parallel-size", "2",

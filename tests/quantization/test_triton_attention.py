@@ -25,6 +25,7 @@ import sys
 import pytest
 
 from interpreted import require_interpreter, run_interpreted
+from conftest import REPO_ROOT, child_env
 
 G_GROUPS, HEADS_PER_GROUP = 2, 2
 SHAPES = {                     # sq, sk, d, dv
@@ -514,10 +515,9 @@ def test_the_kernels_compile_for_an_h100():
     """The GPU compiler accepts the kernels and they fit an H100's shared memory (the
     interpreter runs Python and checks neither)."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in child_env().items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-sm90"],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
     if "skipped" in compiled:
@@ -546,7 +546,6 @@ def test_supported_rejects_what_it_must(results):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if sys.argv[1:] == ["--compile-sm90"]:
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             sys.exit("compile without TRITON_INTERPRET")

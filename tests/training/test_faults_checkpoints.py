@@ -24,12 +24,11 @@ from megatron.training.checkpoint_files import CHECKSUMS_FILE, file_digest, read
 from megatron.training.cli import main
 from megatron.training.run_lock import LOCK_FILE
 
-from conftest import REPO_ROOT, TINY_MOCK_ARGS
+from conftest import REPO_ROOT, TINY_MOCK_ARGS, child_env
 from fakedisk import FakeDisk
 
 ARGS = TINY_MOCK_ARGS + ["--train-iters", "2"]
 MODEL_BUILT = "number of parameters"      # printed once the model exists
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def one_error_line(err: str) -> str:
@@ -69,7 +68,7 @@ def spawn(script: str, path, *argv) -> subprocess.Popen:
     """`python path argv...` with `script` written to `path`."""
     with open(path, "w") as f:
         f.write(script)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, TESTS_DIR]),
+    env = child_env(
                OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(path), *argv], env=env, cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

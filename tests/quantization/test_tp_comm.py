@@ -17,7 +17,7 @@ import torch
 
 from megatron.quantization.tp_comm import TensorParallelComm
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, child_env
 from test_distributed import _free_port
 
 SEQ, BATCH, HIDDEN, FFN = 64, 2, 64, 192
@@ -102,7 +102,7 @@ def two_rank_results(tmp_path_factory):
     worker = out / "worker.py"
     worker.write_text(_WORKER.format(repo=REPO_ROOT, out=str(out), seq=SEQ, batch=BATCH,
                                      hidden=HIDDEN, ffn=FFN))
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     results = {}
     for mode in ("sp", "tp"):
         for fmt in ("none", "mxfp8_e4m3"):

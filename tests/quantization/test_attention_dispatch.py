@@ -178,8 +178,6 @@ def test_cpu_tensors_take_the_chunked_path_outside_triton_mode(world_size_one, m
 
 if __name__ == "__main__":
     require_interpreter()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import warnings
     warnings.filterwarnings("ignore")
     print(json.dumps(interpreter_checks()))

@@ -11,7 +11,7 @@ import pytest
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture import progress
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, child_env
 
 
 def _line(file_name, nbytes, **stats):
@@ -78,7 +78,7 @@ def test_progress_counts_only_new_runs(tmp_path):
     def cli(*argv):
         done = subprocess.run([sys.executable, "-m", "megatron.tensor_capture.progress", *argv],
                               capture_output=True, text=True, cwd=str(tmp_path),
-                              env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+                              env=child_env())
         assert done.returncode == 0, done.stderr
         return done.stdout
 

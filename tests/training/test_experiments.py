@@ -19,7 +19,7 @@ from megatron.training.experiments import cli, launchers
 from megatron.training.experiments.preset_flags import preset_flags
 from megatron.training.presets import MODEL_PRESETS
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO_ROOT
 sys.path.insert(0, REPO_ROOT)
 import train_config  # noqa: E402
 
