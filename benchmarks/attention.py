@@ -50,11 +50,12 @@ SCHEMES = {
     "FA_linear_mxfp8+PV": ["--quant-scheme", "FA_linear_mxfp8", "--attn-pv-quant", "mxfp8"],
 }
 # Run in the child before pretrain_gpt.py: the chunked path and the linear layers as they were
-# before each operand was quantized once (same results, more work).
-_PREVIOUS = ("from megatron.quantization import attention, gemm; "
-             "attention.QuantDotProductAttention.share_operands = False; "
-             "attention.QuantDotProductAttention.skip_masked_blocks = False; "
-             "gemm.set_weight_cache(False)")
+# before each operand was quantized once (same results, more work): the run's resolved
+# QuantConfig with operand sharing, causal block skipping and the weight cache off.
+_PREVIOUS = ("from megatron.training import quant_arguments as qa; resolve = qa.resolve; "
+             "qa.resolve = lambda *a, **k: (lambda q: q.replace(backend=q.backend.replace("
+             "weight_cache=False, attention=q.backend.attention.replace(share_operands=False, "
+             "skip_masked_blocks=False))))(resolve(*a, **k))")
 # llama-tiny as these runs use it (micro-batch 1): attention shapes for the FLOP count.
 TINY = dict(layers=4, heads=8, groups=2, head_dim=32)
 _ITER = re.compile(r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+).*"

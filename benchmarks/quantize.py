@@ -18,7 +18,7 @@ With --device cuda (the default when CUDA is present) the tensors live on the GP
 formats it covers (MX, HiFP8, NVFP4; NVFP4's time includes the eager 0-d tensor-scale ops),
 with its effective bandwidth (one read and one write per element) in GB/s and as a fraction
 of the device's peak memory bandwidth where that is known; the "eager" column is then
-fake_quantize with set_kernels("eager"). On a CPU the kernel column needs a GPU and is left
+fake_quantize with kernels="eager". On a CPU the kernel column needs a GPU and is left
 out (a line says so).
 
 Ratios are to clone(); "ao/eager" is torchao's time over ours. Formats: MXFP8 (E4M3, E5M2),
@@ -60,9 +60,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.quantization import kernels  # noqa: E402
-from megatron.quantization.formats import (  # noqa: E402
-    fake_quantize, fake_quantize_compiled, format_info, set_kernels)
+from megatron.quantization import dispatch, kernels  # noqa: E402
+from megatron.quantization.formats import format_info  # noqa: E402
+
+
+def fake_quantize(x, fmt, **options):
+    """The eager column: the definition, whatever the device."""
+    return dispatch.fake_quantize(x, fmt, kernels="eager", **options)
+
+
+def fake_quantize_compiled(x, fmt, **options):
+    return dispatch.fake_quantize(x, fmt, kernels="compile", **options)
 
 # label: (format, fake_quantize options)
 CASES = {
@@ -113,8 +121,7 @@ def triton_candidates(device: torch.device) -> dict:
         kind = format_info(fmt).kind
         if options or kernels.unsupported_reason(kind, fmt, torch.float32, "nearest"):
             continue
-        found[label] = lambda t, f=fmt, k=kind: kernels.fake_quantize(
-            t, f, k, t.dim() - 1, "floor", False, None, None)
+        found[label] = lambda t, f=fmt: dispatch.fake_quantize(t, f, kernels="triton")
     return found
 
 
@@ -237,7 +244,6 @@ def interleaved_ms(candidates: dict, repeats: int, passes: int = 3,
 def run(size: int, repeats: int, compile_too: bool, device: str = "cpu") -> list:
     torch.manual_seed(0)
     device = torch.device(device)
-    set_kernels("eager")            # the "eager" column; the kernel has its own
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ao_all = torchao_candidates()
     tri_all = triton_candidates(device)
@@ -311,7 +317,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=12,
                         help="timed calls per candidate, median reported (default 12; torchao 3)")
     parser.add_argument("--compile", action="store_true",
-                        help="also time fake_quantize_compiled (torch.compile, dynamic=True)")
+                        help="also time fake_quantize with kernels='compile' (torch.compile, dynamic=True)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu",

@@ -18,7 +18,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import pretrain_gpt  # noqa: E402
-from megatron.quantization.schemes import SCHEMES  # noqa: E402
+from megatron.quantization.config import SCHEMES  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from step_timer import StepTimer  # noqa: E402
 

@@ -26,7 +26,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import pretrain_gpt  # noqa: E402
-from megatron.quantization.observers import register_observer, unregister_observer  # noqa: E402
+from megatron.quantization.runtime import runtimes  # noqa: E402
 from megatron.training import training  # noqa: E402
 
 MODEL = ["--model-preset", "llama-tiny", "--seq-length", "128", "--micro-batch-size", "2",
@@ -37,12 +37,23 @@ MODEL = ["--model-preset", "llama-tiny", "--seq-length", "128", "--micro-batch-s
 SCHEMES = {"bf16": ["--quant-scheme", "bf16"], "linear_mxfp8": ["--quant-scheme", "linear_mxfp8"]}
 
 
-class WgradOperands:
-    """Observer: the float64 sum of dY^T X of every linear site's wgrad GEMM."""
+class WgradOperands(training.TrainingCallback):
+    """Observer: the float64 sum of dY^T X of every linear site's wgrad GEMM (a training
+    callback that watches the run's model)."""
 
     def __init__(self):
         self.exact = {}
         self._pending = {}
+        self._runtimes = []
+
+    def on_train_start(self, model_chunks, iteration: int) -> None:
+        self._runtimes = runtimes(model_chunks)
+        for runtime in self._runtimes:
+            runtime.add_observer(self)
+
+    def on_train_end(self, exit_reason: str) -> None:
+        for runtime in self._runtimes:
+            runtime.remove_observer(self)
 
     def bind(self, site):
         if site.kind != "linear":
@@ -62,7 +73,7 @@ class WgradOperands:
 
 def gradient_errors(scheme_flags, fused: bool, micro_batches: int):
     """[relative L2 error of main_grad] over the decoder's linear weights after one step."""
-    observer = register_observer(WgradOperands())
+    observer = WgradOperands()
     grads = {}
     real_step = training.train_step
 
@@ -85,10 +96,9 @@ def gradient_errors(scheme_flags, fused: bool, micro_batches: int):
                                        "--global-batch-size", str(2 * micro_batches)]
         if not fused:
             argv.append("--no-gradient-accumulation-fusion")
-        training.pretrain(pretrain_gpt.forward_step, argv)
+        training.pretrain(pretrain_gpt.forward_step, argv, callbacks=[observer])
     finally:
         training.train_step = real_step
-        unregister_observer(observer)
     tokens = 2 * micro_batches * 128        # every mock token counts in the per-token loss
     return [float((grads[n] - observer.exact[n] / tokens).norm()
                   / (observer.exact[n] / tokens).norm()) for n in grads]

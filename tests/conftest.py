@@ -1,6 +1,5 @@
 """Shared test set-up: repository on sys.path, quiet warnings, small-model argument lists."""
 
-import contextlib
 import os
 import sys
 
@@ -77,16 +76,3 @@ def world_size_one(monkeypatch):
     set_random_seeds(args.seed)
     yield args
     destroy_distributed()
-
-
-@contextlib.contextmanager
-def kernel_mode(mode: str):
-    """The fake-quantization kernel mode (--quant-kernels) set to `mode`, then restored."""
-    from megatron.quantization import formats
-
-    previous = formats.kernels_mode()
-    formats.set_kernels(mode)
-    try:
-        yield
-    finally:
-        formats.set_kernels(previous)

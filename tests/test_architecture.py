@@ -106,6 +106,114 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
+# Inside megatron.quantization: the folders a sub-package may import. formats/ is the
+# definition and imports nothing else of the package; kernels/ implements it (one way).
+QUANTIZATION_FOLDERS = {
+    "megatron.quantization.formats": {"megatron.quantization.formats"},
+    "megatron.quantization.kernels": {"megatron.quantization.kernels",
+                                      "megatron.quantization.formats"},
+}
+
+
+def test_quantization_folders_import_one_way():
+    _, graph = _graph()
+    bad = []
+    for module, targets in graph.items():
+        for folder, allowed in QUANTIZATION_FOLDERS.items():
+            if module == folder or module.startswith(folder + "."):
+                bad += [f"{module}:{line} imports {target}" for target, line in targets
+                        if target.startswith("megatron.quantization")
+                        and not any(target == a or target.startswith(a + ".") for a in allowed)]
+    assert not bad, "imports against the quantization folders' direction:\n" + "\n".join(bad)
+
+
+_MUTABLE_CALLS = {"dict", "list", "set", "Counter", "defaultdict", "OrderedDict", "deque",
+                  "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "local"}
+
+
+def _mutable_value(value) -> bool:
+    if isinstance(value, (ast.Dict, ast.DictComp, ast.List, ast.ListComp, ast.Set,
+                          ast.SetComp)):
+        return True
+    if isinstance(value, ast.Call):
+        func = value.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        return name in _MUTABLE_CALLS
+    return False
+
+
+def _module_state(path: str):
+    """(line, what) of module-level mutable state in a file: `global` statements anywhere and
+    module-level mutable containers (constant tables are MappingProxyType / frozenset /
+    tuple; caches of pure functions of their key are named *_CACHE; __all__ is exempt)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            yield node.lineno, f"global {', '.join(node.names)}"
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None \
+                and _mutable_value(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [ast.unparse(t) for t in targets]
+            if not all(n == "__all__" or n.endswith("_CACHE") for n in names):
+                yield node.lineno, f"{', '.join(names)} = {type(node.value).__name__}"
+
+
+def test_no_module_level_mutable_state_in_quantization():
+    """Run state travels in the model's QuantRuntime and the configs, never in process
+    globals of the quantization package (caches of constant tables aside)."""
+    found = [f"{module}:{line} {what}" for module, path in _modules().items()
+             if module.startswith("megatron.quantization")
+             for line, what in _module_state(path)]
+    assert not found, "module-level mutable state in megatron.quantization:\n" + \
+        "\n".join(found)
+
+
+def _private_uses(path: str, modules):
+    """(line, text) of private names of our other modules a file uses: `from megatron.x
+    import _name` and `alias._name` where alias is one of our modules."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    aliases[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(OURS):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in modules:
+                    aliases[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield node.lineno, f"from {node.module} import {alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in aliases and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            yield node.lineno, f"{aliases[node.value.id]}.{node.attr}"
+
+
+def test_no_private_names_across_modules():
+    modules = _modules()
+    found = [f"{module}:{line} uses {text}" for module, path in modules.items()
+             for line, text in _private_uses(path, modules)]
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+def test_the_state_and_privacy_scans_see_what_they_look_for(tmp_path):
+    """The scanners themselves: each finds its case in a file written here."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import megatron.quantization.gemm as g\n"
+                   "from megatron.quantization.formats import _x\n"
+                   "STATE = {}\nTABLE_CACHE = {}\n__all__ = []\n"
+                   "def f():\n    global STATE\n    return g._weights\n")
+    state = [what for _, what in _module_state(str(bad))]
+    assert state == ["global STATE", "STATE = Dict"]
+    private = [text for _, text in _private_uses(str(bad), {"megatron.quantization.gemm": ""})]
+    assert private == ["from megatron.quantization.formats import _x",
+                       "megatron.quantization.gemm._weights"]
+
+
 def test_the_scan_sees_function_local_and_upward_imports(tmp_path):
     """The scanner itself: a function-local upward import is found."""
     bad = tmp_path / "bad.py"

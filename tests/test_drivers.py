@@ -112,7 +112,7 @@ def test_batch_dry_run_commands_are_valid(tmp_path):
         args = parse_args(tokens[i + 1:])
         args.world_size, args.rank = nproc, 0
         validate_args(args, check_paths=False)
-        assert args.quant_scheme == scheme and args.save_tensors
+        assert args.quant_scheme == args.quant_config.scheme == scheme and args.save_tensors
         assert (args.control_iter, args.collect_micro_batches) == (2, 3)
         assert args.tensor_save_dir == str(tmp_path / "t")
         assert args.train_iters == 5 and args.save is None   # capture runs keep no checkpoints

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from megatron.analysis.events import event_files, is_event_file, read_scalars
-from megatron.analysis.study import mean_std
+from megatron.analysis.intervals import mean_std
 
 log = logging.getLogger("megatron.analysis")
 

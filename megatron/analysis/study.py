@@ -17,28 +17,12 @@ floor of the study.
 from __future__ import annotations
 
 import html
-import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
+
+from megatron.analysis.intervals import mean_interval, mean_std
 
 WORSE, BETTER, WITHIN_NOISE, INSUFFICIENT = "worse", "better", "within noise", \
     "insufficient seeds"
-
-
-def t_quantile_975(dof: int) -> float:
-    """The 0.975 quantile of Student's t with `dof` degrees of freedom."""
-    from scipy.stats import t
-
-    return float(t.ppf(0.975, dof))
-
-
-def mean_std(values: Sequence[float]) -> Dict[str, Optional[float]]:
-    """Mean and sample standard deviation (n - 1); std is None below two values."""
-    n = len(values)
-    if n == 0:
-        return {"mean": None, "std": None}
-    mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
-    return {"mean": mean, "std": std}
 
 
 def paired_gap(baseline: Dict[int, float], scheme: Dict[int, float]) -> dict:
@@ -50,12 +34,11 @@ def paired_gap(baseline: Dict[int, float], scheme: Dict[int, float]) -> dict:
               "verdict": INSUFFICIENT}
     if not diffs:
         return result
-    stats = mean_std(diffs)
-    result["mean"] = stats["mean"]
+    interval = mean_interval(diffs)
+    result["mean"] = interval["mean"]
     if len(diffs) < 2:
         return result
-    half = t_quantile_975(len(diffs) - 1) * stats["std"] / math.sqrt(len(diffs))
-    low, high = stats["mean"] - half, stats["mean"] + half
+    low, high = interval["ci95"]
     result["ci95"] = [low, high]
     result["verdict"] = WORSE if low > 0 else BETTER if high < 0 else WITHIN_NOISE
     return result

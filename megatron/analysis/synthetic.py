@@ -34,14 +34,16 @@ import torch
 
 from megatron.quantization.formats import (canonical_format, fake_quantize, format_info,
                                           hifp8_scale_exponent, hifp8_scaled_fake_quantize)
-from megatron.quantization.gemm import Fp8Settings, MatmulQuantConfig, quantize_operand
-from megatron.quantization.schemes import scheme_formats as scheme_site_formats
+from megatron.quantization.config import (
+    FP8_SCALINGS, Fp8Settings, MatmulQuantConfig, MxSettings)
+from megatron.quantization.gemm import format_options, quantize_operand
+from megatron.quantization.config import scheme_formats as scheme_site_formats
 from megatron.tensor_capture import format as capture_format
-from megatron.tensor_capture.replay import operand_metadata, own_amax, quantize_options
+from megatron.tensor_capture.replay import operand_metadata, own_amax
 from megatron.tensor_capture.roles import role_for
 from megatron.tensor_capture.stats import block_scales, quant_error, tensor_info
 
-FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+FP8_RECIPES = FP8_SCALINGS
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ def write_capture(root: str, quant_schemes: Sequence[str] = ("bf16", "FA_linear_
     if fp8_recipe not in FP8_RECIPES:
         raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got "
                          f"{fp8_recipe!r}")
-    recipe = _Recipe(MatmulQuantConfig(scale_mode=scale_mode, weight_2d=weight_2d,
+    recipe = _Recipe(MatmulQuantConfig(mx=MxSettings(scale_mode=scale_mode), weight_2d=weight_2d,
                                        fp8=Fp8Settings(recipe=fp8_recipe)), stochastic)
     iterations = tuple(iterations)
     dims = dict(seq=seq, batch=batch, hidden=hidden, ffn=ffn, heads=heads, groups=groups)
@@ -258,13 +260,13 @@ def _recipe_quantize(x, role: Role, fmt: str, recipe: _Recipe, counter: int):
     extra = {}
     if role.kind == "weight" and config.weight_tiles(fmt):
         extra["weight"] = True
-    if kind == "fp8" and config.fp8.recipe == "delayed":
+    if kind == "fp8" and config.fp8.scaling == "delayed":
         # A history 3/4 of the tensor's own amax: the top quarter saturates.
         amax = own_amax(x, fmt, {"scaling": "tensor"})
         extra["amax"] = torch.tensor(0.75 * amax, dtype=torch.float32)
     if recipe.stochastic and role.kind == "grad" and kind in ("mx", "nvfp4", "fp8"):
         extra["seed"] = 1000 + counter
-    options = quantize_options(config, fmt, x.dim(), weight=bool(extra.get("weight")),
+    options = format_options(config, fmt, x.dim(), weight=bool(extra.get("weight")),
                                amax=None if "amax" not in extra else float(extra["amax"]))
     q = quantize_operand(x, fmt, role.axis, config, **extra)
     metadata = operand_metadata(config, fmt, x, options, extra)

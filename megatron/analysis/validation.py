@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence, Tuple
 from megatron.analysis.hifp8 import REGIONS
 from megatron.quantization.formats import FORMAT_NAMES, MAX_SHARED_EXPONENT, \
     MIN_SHARED_EXPONENT, SCALE_MODES, format_info
-from megatron.quantization.gemm import RHT_BLOCKS
+from megatron.quantization.config import RHT_BLOCKS
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture.replay import FP8_SCALINGS
 

@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from megatron.evaluation.intervals import mean_interval, paired_delta
+from megatron.analysis.intervals import mean_interval, paired_delta
 
 # Direct cast: every scheme family and recipe, plus the arms the claims compare.
 RHT_FPROP = "linear_nvfp4@quant-rht=16,quant-rht-gemms=fprop"

@@ -18,7 +18,6 @@ import time
 import warnings
 from typing import List, Optional
 
-from megatron.evaluation.specs import spec_parser
 from megatron.training.errors import ConfigError, TrainingError
 
 SWEEPS = ("sites",)
@@ -76,8 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: Optional[List[str]] = None):
-    """(evaluate's own args, pretrain_gpt.py's validated args, the spec parser)."""
-    from megatron.training.arguments import build_parser as build_pretrain_parser
+    """(evaluate's own args, pretrain_gpt.py's validated args)."""
     from megatron.training.arguments import parse_args, validate_args
 
     own, rest = build_parser().parse_known_args(argv)
@@ -98,7 +96,7 @@ def parse(argv: Optional[List[str]] = None):
     if args.lr is None:
         args.lr = 0.0
     args = validate_args(args)
-    return own, args, spec_parser(build_pretrain_parser)
+    return own, args
 
 
 def hf_checkpoint_dir(own) -> str:
@@ -108,11 +106,11 @@ def hf_checkpoint_dir(own) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     start = time.time()
     try:
-        own, args, parser = parse(argv)
+        own, args = parse(argv)
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
         from megatron.evaluation.run import evaluate
 
-        evaluate(own, args, parser, start)
+        evaluate(own, args, start)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -23,7 +23,7 @@ import torch
 
 from megatron.evaluation.losses import device
 from megatron.evaluation.model_state import site_label
-from megatron.quantization import randomness
+from megatron.quantization.runtime import runtime_of
 from megatron.training.batches import batch_to_device
 
 
@@ -65,7 +65,7 @@ def gradients(module, named_parameters, batches: List[dict], seed: int,
     dev = device()
     rows, tokens = [], []
     module.eval()        # no dropout; gradients flow all the same
-    randomness.start_iteration(seed, draw)
+    runtime_of(module).start_iteration(seed, draw)
     for batch in batches:
         for _, p in params:
             p.grad = None

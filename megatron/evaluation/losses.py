@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-from megatron.quantization import randomness
+from megatron.quantization.runtime import runtime_of
 from megatron.training.batches import batch_to_device
 from megatron.training.data import build_data_iterator, build_datasets
 from megatron.training.errors import ConfigError
@@ -85,7 +85,7 @@ def arm_losses(module, batches: List[dict], seed: int, log: Callable[[str], None
     sums, counts, token_losses = [], [], []
     start = last = time.time()
     # Forward stochastic rounding: the same draws every time (iteration 0 of the streams).
-    randomness.start_iteration(seed, 0, parallel_state.get_data_parallel_rank())
+    runtime_of(module).start_iteration(seed, 0, parallel_state.get_data_parallel_rank())
     with torch.no_grad():
         for done, batch in enumerate(batches, 1):
             tokens, labels, loss_mask, attention_mask, position_ids = batch_to_device(batch, dev)

@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import Float16Module
 
 from megatron.quantization.converter import apply_quantization
-from megatron.quantization.schemes import NONE, QuantConfig
+from megatron.quantization.config import NONE, QuantConfig
 from megatron.training import checkpointing
 from megatron.training.errors import ConfigError
 from megatron.training.model import build_gpt_model, core_transformer_config_from_args

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from megatron.evaluation.losses import device
-from megatron.quantization.observers import register_observer, unregister_observer
+from megatron.quantization.runtime import observing
 from megatron.tensor_capture.callback import collect_sites
 from megatron.tensor_capture.telemetry import QuantTelemetry, site_label
 from megatron.training.batches import batch_to_device
@@ -22,16 +22,13 @@ def forward_operand_stats(module, batch: dict) -> Optional[Dict[str, object]]:
     quantized operands of one forward pass, or None when nothing is quantized."""
     labels = {name: site_label(info.layer, info.module, info.kind)
               for name, info in collect_sites([module]).items()}
-    telemetry = register_observer(QuantTelemetry(labels))
-    try:
+    with observing(module, QuantTelemetry(labels)) as telemetry:
         telemetry.begin()
         tokens, labels_, _, attention_mask, position_ids = batch_to_device(batch, device())
         module.eval()
         with torch.no_grad():
             module(tokens, position_ids, attention_mask, labels=labels_)
         results = telemetry.reduce()
-    finally:
-        unregister_observer(telemetry)
     out = {}
     for metric in METRICS:
         values = [(f"{site} {operand}", v[metric]) for (site, operand), v in results.items()

@@ -12,15 +12,13 @@ import torch
 
 from megatron.evaluation import gradients as grads
 from megatron.evaluation import outputs
-from megatron.evaluation.intervals import paired_delta, token_quantiles
+from megatron.analysis.intervals import paired_delta, token_quantiles
 from megatron.evaluation.losses import (
     ArmLosses, arm_losses, first_batch_logits, repeated_sequences, validation_batches)
 from megatron.evaluation.operand_stats import forward_operand_stats
 from megatron.evaluation.model_state import SiteSubset, load_model, sweep_targets
-from megatron.evaluation.specs import quant_args_for
-from megatron.quantization.formats import set_kernels
-from megatron.quantization.gemm import set_weight_cache
-from megatron.quantization.schemes import QuantConfig
+from megatron.evaluation.specs import arm_config
+from megatron.quantization.config import QuantConfig
 from megatron.training.initialize import (
     destroy_distributed, initialize_distributed, set_random_seeds)
 from megatron.training.tokenizer import build_tokenizer, vocab_size_with_padding
@@ -51,24 +49,25 @@ def _eta(done: int, total: int, start: float) -> str:
     return f", about {(time.time() - start) / done * (total - done):.0f} s left"
 
 
-def evaluate(own, args, parser, start: float) -> Dict:
+def evaluate(own, args, start: float) -> Dict:
     initialize_distributed(args)
     try:
-        return _evaluate(own, args, parser, start)
+        return _evaluate(own, args, start)
     finally:
         destroy_distributed()
 
 
-def _evaluate(own, args, parser, start: float) -> Dict:
+def _evaluate(own, args, start: float) -> Dict:
     set_random_seeds(args.seed)
-    set_kernels(args.quant_kernels)
-    set_weight_cache(args.quant_weight_cache)
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     own.draw_seed = args.seed if own.rounding_seed is None else own.rounding_seed
-    arm_args = {spec: quant_args_for(spec, args, parser) for spec in own.schemes}   # fail early
-    sweep_args = quant_args_for(own.sweep_scheme, args, parser) if own.sweep else None
+    base = args.quant_config.settings
+    arms_config = {spec: arm_config(spec, base, args.num_layers, args.seed)    # fail early
+                   for spec in own.schemes}
+    sweep_config = arm_config(own.sweep_scheme, base, args.num_layers, args.seed) \
+        if own.sweep else None
     if _rank_0():
         os.makedirs(own.output_dir, exist_ok=True)
     model = load_model(args, log=log)
@@ -93,7 +92,7 @@ def _evaluate(own, args, parser, start: float) -> Dict:
     arms: Dict[str, ArmLosses] = {}
     t0 = time.time()
     for i, spec in enumerate(own.schemes):
-        model.quantize(arm_args[spec].quant_config)
+        model.quantize(arms_config[spec])
         arms[spec] = arm_losses(model.module, batches, own.draw_seed, log, spec)
         base = arms[own.schemes[0]] if i else None
         doc["schemes"][spec] = _arm_summary(arms[spec], base)
@@ -109,10 +108,10 @@ def _evaluate(own, args, parser, start: float) -> Dict:
     doc["sequences"] = int(arms[own.schemes[0]].sequence_sums.size)
 
     if own.sweep:
-        doc["sweep"], sweep_arms = _sweep(own, args, model, batches, arms, sweep_args)
+        doc["sweep"], sweep_arms = _sweep(own, model, batches, arms, sweep_config)
         arms.update(sweep_arms)
     if own.gradients:
-        doc["gradients"] = _gradients(own, args, model, batches, arm_args)
+        doc["gradients"] = _gradients(own, model, batches, arms_config)
     doc["seconds"] = round(time.time() - start, 1)
     if _rank_0():
         written = outputs.write(doc, own.output_dir)
@@ -121,7 +120,7 @@ def _evaluate(own, args, parser, start: float) -> Dict:
     return doc
 
 
-def _sweep(own, args, model, batches, arms, sweep_args) -> dict:
+def _sweep(own, model, batches, arms, base: QuantConfig) -> dict:
     """One site at a time in --sweep-scheme; deltas against the unquantized model."""
     reference_spec = next((s for s in own.schemes if s == "bf16"), None)
     if reference_spec is None:
@@ -131,12 +130,12 @@ def _sweep(own, args, model, batches, arms, sweep_args) -> dict:
         reference = arms[reference_spec]
     model.quantize(QuantConfig())
     targets = sweep_targets(model.sites)
-    base = sweep_args.quant_config
     rows = []
     sweep_arms = {} if reference_spec else {"sweep:reference": reference}
     t0 = time.time()
     for n, (layer, label, paths) in enumerate(targets, 1):
-        subset = SiteSubset(scheme=f"sweep {label}", base=base, paths=paths)
+        subset = SiteSubset(scheme=f"sweep {label}", base=base, paths=paths,
+                            backend=base.backend, settings=base.settings)
         model.quantize(subset)
         if not any(s.config.enabled for s in model.sites):
             continue       # the sweep scheme keeps this site in high precision
@@ -155,7 +154,7 @@ def _sweep(own, args, model, batches, arms, sweep_args) -> dict:
             "ranking": [rows[i]["key"] for i in ranking]}, sweep_arms
 
 
-def _gradients(own, args, model, batches, arm_args) -> dict:
+def _gradients(own, model, batches, arms_config) -> dict:
     """Every arm's gradient against the fp32 unquantized model's and the baseline arm's."""
     if torch.distributed.get_world_size() > 1:
         from megatron.training.errors import ConfigError
@@ -173,7 +172,7 @@ def _gradients(own, args, model, batches, arm_args) -> dict:
     baseline = None
     t0 = time.time()
     for n, spec in enumerate(own.schemes, 1):
-        model.quantize(arm_args[spec].quant_config)
+        model.quantize(arms_config[spec])
         g = grads.gradients(model.module, params, gb, own.draw_seed)
         entry = {"vs_fp32": grads.compare(g, reference),
                  "sites_vs_fp32": grads.per_site(g, reference, model.sites)}

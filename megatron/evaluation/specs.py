@@ -4,28 +4,25 @@
     NAME   = a --quant-scheme (bf16, linear_mxfp4, FA_linear_nvfp4, ...)
            | recipe_<name>            a named recipe (--quant-recipe <name>: recipe_nvfp4, ...)
            | PATH.yaml | PATH.yml | PATH.json   a recipe file (--quant-recipe-file PATH)
-    FLAG   = any pretrain_gpt.py quantization flag without its dashes; a list value joins its
+    FLAG   = a pretrain_gpt.py quantization flag without its dashes; a list value joins its
              items with "+" (quant-rht-gemms=fprop+wgrad)
 
 e.g. `linear_mxfp8@mx-scale-mode=rceil`, `linear_nvfp4@quant-stochastic-rounding=grad,quant-fprop=none`.
-The spec is the arm's label. Flags given on the command line apply to every arm; a spec's own
-flags apply on top of them.
+The spec is the arm's label. Quantization flags given on the command line apply to every arm;
+a spec's own flags apply on top of them. A spec can set quantization flags only (config.py):
+anything else (a sequence length, a seed) is the run's, shared by every arm, and an error here.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 from typing import List, Tuple
 
-from megatron.quantization.recipes import RECIPE_NAMES
-from megatron.quantization.schemes import SCHEMES
+from megatron.quantization.config import (
+    RECIPE_NAMES, SCHEMES, QuantConfig, QuantSettings, SettingError, settings_from_flags)
+from megatron.quantization.schemes import resolve
 from megatron.training.errors import ConfigError
-from megatron.training.quant_arguments import validate_quantization_args
 
 RECIPE_FILE_SUFFIXES = (".yaml", ".yml", ".json")
-# Quantization flags a spec may set (everything else is the run's, shared by every arm).
-_RESET = dict(quant_scheme=None, quant_recipe=None, quant_recipe_file=None)
 
 
 def split_spec(spec: str) -> Tuple[str, List[str]]:
@@ -49,35 +46,13 @@ def split_spec(spec: str) -> Tuple[str, List[str]]:
     return name, argv
 
 
-def quant_args_for(spec: str, base_args: argparse.Namespace,
-                   parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """A copy of the run's validated args with the spec's scheme and flags applied and its
-    QuantConfig resolved (args.quant_config), or ConfigError naming the spec."""
+def arm_config(spec: str, base: QuantSettings, num_layers: int, seed: int) -> QuantConfig:
+    """The QuantConfig of one arm: the run's quantization settings `base` with the spec's
+    scheme and flags applied, or ConfigError naming the spec."""
     _, argv = split_spec(spec)
-    args = copy.copy(base_args)
-    for key, value in _RESET.items():
-        setattr(args, key, value)
-    # argparse fills in defaults only for attributes the namespace lacks: parsing into a copy
-    # of the run's args changes exactly the flags the spec names.
+    base = base.replace(scheme=base.scheme.replace(scheme="bf16", source="default"),
+                        recipe=base.recipe.replace(recipe=None, recipe_file=None))
     try:
-        args, unknown = parser.parse_known_args(argv, namespace=args)
-    except ConfigError as exc:
+        return resolve(settings_from_flags(argv, base=base), num_layers, seed)
+    except SettingError as exc:
         raise ConfigError(f"--schemes {spec!r}: {exc}") from None
-    if unknown:
-        raise ConfigError(f"--schemes {spec!r}: unknown flag(s) {' '.join(unknown)}")
-    try:
-        validate_quantization_args(args)
-    except ConfigError as exc:
-        raise ConfigError(f"--schemes {spec!r}: {exc}") from None
-    return args
-
-
-def spec_parser(build_parser) -> argparse.ArgumentParser:
-    """pretrain_gpt.py's parser, raising ConfigError instead of exiting."""
-    parser = build_parser()
-
-    def error(message):
-        raise ConfigError(message)
-
-    parser.error = error
-    return parser

@@ -11,7 +11,8 @@ Layout. Grouped-query attention is computed per key/value group: the queries of 
 group are stacked along the row axis, Q [b*groups, heads_per_group*sq, d] with row
 r*sq + i = (head r of the group, position i), so K and V keep their natural size.
 
-Four paths, chosen per call:
+Four paths, chosen per call by dispatch.attention_path (the one rule, which the memory estimate
+asks too):
 
 * fused -- nothing in attention is quantized and nothing observes it (bf16 and linear_*
   schemes): `scaled_dot_product_attention` with `is_causal=True` (no materialised mask), so
@@ -48,18 +49,24 @@ Four paths, chosen per call:
   formats or none, round to nearest) and the whole operands quantized once per call by the
   sites' own quantization. Same roundings as the chunked path; results agree with it up to
   fp32 summation order and exp (see that module). Not for observed calls, explicit mask
-  tensors, head dims over 128 or slots the kernels do not cover (_runs_fused_kernels).
+  tensors, head dims over 128 or slots the kernels do not cover.
 * unfused (the reference) -- the full [b, heads, sq, sk] scores, as megatron-core computes
   them: used when an observer that needs whole operands (tensor capture) watches a site, so
   captured tensors are whole GEMM operands (observers that accept pieces, such as the
   quantization telemetry, stay on the chunked path and see each chunk of Q, P, dS, dO once
   and K and V once); for attention dropout in training, attention sinks (softmax offset), query-key
   layer scaling and masks of another shape than [b or 1, 1, sq, sk]; and everywhere when
-  `impl` is "unfused" (--quant-attention-impl unfused, for checks and benchmarks).
+  the settings' `impl` is "unfused" (--quant-attention-impl unfused, for checks and
+  benchmarks).
+
+The module's `attention` settings (config.AttentionSettings: impl, chunk rows, operand sharing,
+causal block skipping) come from the model's QuantConfig through the converter; the kernel
+mode from its sites' runtime.
 """
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import List, Optional, Tuple
 
 import torch
@@ -67,11 +74,10 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron.quantization.formats import kernels_mode
-from megatron.quantization.kernels import device_reason, triton_available
+from megatron.quantization import dispatch
+from megatron.quantization.config import AttentionSettings, MatmulQuantConfig
 from megatron.quantization.gemm import (
-    MatmulQuantConfig, SiteState, gemm_operand, gemm_result, quantize_slot, quantized_matmul,
-    whole_tensor_scale)
+    SiteState, gemm_operand, gemm_result, quantize_slot, quantized_matmul, whole_tensor_scale)
 from megatron.quantization.local_attention import LocalDotProductAttention
 from megatron.quantization.observers import GemmSite, accepts_pieces, observer_for
 
@@ -180,7 +186,8 @@ _QUERY_SIDE = (("fprop", "a"), ("wgrad", "a"))                 # Q (QK^T), P (PV
 _GRAD_SIDE = (("dgrad", "grad_output"), ("wgrad", "grad_output"))   # dS (QK^T), dO (PV)
 # Operand slots (gemm, side) cut along the keys when a chunk skips the keys it cannot see:
 # dS of QK^T (dgrad a, wgrad b) and P of PV (fprop a, wgrad a).
-_KEY_CUT_SLOTS = {"qk": (("dgrad", "a"), ("wgrad", "b")), "pv": (("fprop", "a"), ("wgrad", "a"))}
+_KEY_CUT_SLOTS = MappingProxyType({"qk": (("dgrad", "a"), ("wgrad", "b")),
+                                   "pv": (("fprop", "a"), ("wgrad", "a"))})
 
 
 def _slot_formats(config: MatmulQuantConfig) -> dict:
@@ -469,14 +476,7 @@ class QuantDotProductAttention(LocalDotProductAttention):
 
     qk_site: Optional[GemmSite] = None
     pv_site: Optional[GemmSite] = None
-    impl: str = "auto"     # "unfused": always the reference path (full scores)
-    # Query rows per chunk of the chunked path (a multiple of 32); None: from the memory
-    # budget (CHUNK_BYTES on a CPU, a share of the free memory on a GPU).
-    chunk_rows: Optional[int] = None
-    # K^T and V quantized once per GEMM slot and call, not once per chunk (same bits).
-    share_operands: bool = True
-    # Chunks leave out the key blocks the causal mask hides from all their rows (same bits).
-    skip_masked_blocks: bool = True
+    attention: AttentionSettings = AttentionSettings()
 
     @staticmethod
     def _config(site: Optional[GemmSite]) -> MatmulQuantConfig:
@@ -490,30 +490,49 @@ class QuantDotProductAttention(LocalDotProductAttention):
     def _state(site: Optional[GemmSite]) -> Optional[SiteState]:
         return site.state if site is not None else None
 
+    @property
+    def kernels(self) -> str:
+        """The kernel mode of this module's sites (--quant-kernels)."""
+        site = self.qk_site or self.pv_site
+        return site.state.runtime.kernels if site is not None and site.state else "auto"
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("packed sequences and attention bias need TransformerEngine attention")
-        qk_cfg, pv_cfg = self._config(self.qk_site), self._config(self.pv_site)
         qk_obs, pv_obs = self._observer(self.qk_site), self._observer(self.pv_site)
-        observed = qk_obs is not None or pv_obs is not None
-        whole = any(o is not None and not accepts_pieces(o) for o in (qk_obs, pv_obs))
-        quantized = qk_cfg.enabled or pv_cfg.enabled
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        linear = self.impl == "auto" and self._plain_softmax()
-        if linear and not quantized and not observed:
+        path = dispatch.attention_path(
+            self.call_facts(query, value, attention_mask, (qk_obs, pv_obs)), self.kernels)
+        if path.name == "sdpa":
             return self._fused(query, key, value, attention_mask, mask_type)
-
-        if whole or not linear or not self._row_mask_ok(attention_mask):
+        if path.name == "reference":
             return self._reference(query, key, value, attention_mask, attn_mask_type,
                                    qk_obs, pv_obs)
         q, k_t, v = grouped_layout(query, key, value)
-        if self._runs_fused_kernels(qk_cfg, pv_cfg, q, v, attention_mask, observed):
+        if path.name == "triton":
             context = self._fused_quantized(q, k_t, v, mask_type, query.size(0))
         else:
             context = self._chunked(q, k_t, v, attention_mask, mask_type, query, key,
                                     (qk_obs, pv_obs))
         return heads_layout(context, query)
+
+    def call_facts(self, query, value, attention_mask, observers) -> dispatch.AttentionCall:
+        """What decides this call's path (dispatch.attention_path)."""
+        qk_cfg, pv_cfg = self._config(self.qk_site), self._config(self.pv_site)
+        softmax = self.scale_mask_softmax
+        # As _masked_softmax: fp32 inputs, or half inputs the softmax upcasts.
+        in_fp32 = query.dtype == torch.float32 or (softmax.input_in_float16
+                                                   and softmax.softmax_in_fp32)
+        return dispatch.AttentionCall(
+            impl=self.attention.impl, plain_softmax=self._plain_softmax(),
+            row_mask=self._row_mask_ok(attention_mask),
+            quantized=qk_cfg.enabled or pv_cfg.enabled,
+            observed=any(o is not None for o in observers),
+            whole=any(o is not None and not accepts_pieces(o) for o in observers),
+            device=query.device, dtype=query.dtype, head_dim=query.size(-1),
+            value_dim=value.size(-1), mask_tensor=attention_mask is not None,
+            softmax_in_fp32=in_fp32, qk_config=qk_cfg, pv_config=pv_cfg)
 
     # -- which path ----------------------------------------------------------------------
 
@@ -557,11 +576,11 @@ class QuantDotProductAttention(LocalDotProductAttention):
     def _chunked(self, q, k_t, v, attention_mask, mask_type, query, key,
                  observers=(None, None)):
         sq, sk, ng, rows = query.size(0), key.size(0), key.size(2), q.size(1)
-        chunk_rows = self.chunk_rows or default_chunk_rows(
+        chunk_rows = self.attention.chunk_rows or default_chunk_rows(
             q.size(0), sk, chunk_bytes_for(free_device_bytes(q.device)))
         bounds = chunk_bounds(rows, chunk_rows)
         causal = attention_mask is None and mask_type == AttnMaskType.causal
-        gemms = _Gemms(self.qk_site, self.pv_site, observers, self.share_operands)
+        gemms = _Gemms(self.qk_site, self.pv_site, observers, self.attention.share_operands)
         extents = [sk] * len(bounds)
         if causal and self._skips_masked_blocks(gemms):
             extents = [chunk_key_extent(r0, r1, sq, sk) for r0, r1 in bounds]
@@ -590,7 +609,7 @@ class QuantDotProductAttention(LocalDotProductAttention):
         -10000 fill underflows in the softmax), so nothing changes -- except what observers
         see (the operands would be cut), and stochastically rounded P or dS, whose draws
         follow the operand's shape: then no block is skipped."""
-        if not self.skip_masked_blocks or any(o is not None for o in gemms.observers):
+        if not self.attention.skip_masked_blocks or any(o is not None for o in gemms.observers):
             return False
         return not (_stochastic_slots(gemms.qk_cfg, _KEY_CUT_SLOTS["qk"])
                     or _stochastic_slots(gemms.pv_cfg, _KEY_CUT_SLOTS["pv"]))
@@ -607,39 +626,6 @@ class QuantDotProductAttention(LocalDotProductAttention):
 
     # -- fused Triton kernels: quantized, linear memory, on the GPU --------------------------
 
-    def _runs_fused_kernels(self, qk_cfg, pv_cfg, q, v, attention_mask, observed) -> bool:
-        """Whether the fused Triton attention kernels (kernels/attention.py) run this call
-        instead of the chunked path, under the --quant-kernels mode: "auto" (the default) on
-        CUDA wherever they cover the call; "triton" wherever they can run (CUDA, or CPU tensors
-        under Triton's interpreter), and a ValueError naming what they do not cover;
-        "compile" and "eager" never. Observed calls stay on the chunked path in every mode:
-        its observers see the operands, the kernels keep P and dS in registers."""
-        mode = kernels_mode()
-        if mode not in ("auto", "triton") or observed:
-            return False
-        if mode == "auto" and q.device.type != "cuda":
-            return False
-        reason = self._fused_kernels_reason(qk_cfg, pv_cfg, q, v, attention_mask)
-        if reason is None:
-            return True
-        if mode == "triton":
-            raise ValueError(f"kernel mode 'triton' does not cover this quantized attention: "
-                             f"{reason}; use --quant-kernels auto to run it on the chunked path")
-        return False
-
-    def _fused_kernels_reason(self, qk_cfg, pv_cfg, q, v, attention_mask) -> Optional[str]:
-        if not triton_available():
-            return "this installation: triton is not importable (pip install triton)"
-        from megatron.quantization.kernels.attention import unsupported_reason
-        softmax = self.scale_mask_softmax
-        # As _masked_softmax: fp32 inputs, or half inputs the softmax upcasts.
-        in_fp32 = q.dtype == torch.float32 or (softmax.input_in_float16
-                                               and softmax.softmax_in_fp32)
-        return (unsupported_reason(qk_cfg, pv_cfg, q.dtype, q.size(-1), v.size(-1),
-                                   mask_tensor=attention_mask is not None,
-                                   softmax_in_fp32=in_fp32)
-                or device_reason(q))
-
     def _fused_quantized(self, q, k_t, v, mask_type, sq: int):
         """The grouped-layout attention by the fused kernels: the whole operands quantized
         once per call and GEMM slot by the sites' own quantization, P and dS in the tiles."""
@@ -647,7 +633,8 @@ class QuantDotProductAttention(LocalDotProductAttention):
         gemms = _Gemms(self.qk_site, self.pv_site, (None, None), True)
         return TritonQuantizedAttention.apply(
             q, k_t, v, gemms.whole_operand, TileFormats.of(gemms.qk_cfg, gemms.pv_cfg),
-            self.softmax_scale, mask_type == AttnMaskType.causal, sq, self.skip_masked_blocks)
+            self.softmax_scale, mask_type == AttnMaskType.causal, sq,
+            self.attention.skip_masked_blocks)
 
     # -- unfused: the reference --------------------------------------------------------------
 

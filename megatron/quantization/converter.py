@@ -8,7 +8,10 @@ The model builder calls it once on the built GPTModel (one pipeline stage). It
    the down projections megatron-core only accepts as the exact ColumnParallelLinear class at
    construction time), routed and shared experts, the output layer and core attention;
 2. names each GEMM site by its module path and global layer number and hands it its resolved
-   per-GEMM configuration.
+   per-GEMM configuration;
+3. gives the model one QuantRuntime (runtime.py: kernel mode, observers, stochastic-rounding
+   draws, weight-cache generation) that every site shares, kept when the model is quantized
+   again, and the attention modules the config's attention settings.
 
 Nothing registers itself at import time: the classes a built model has depend only on the
 config passed here. The bf16 scheme runs the very same modules with quantization off, so a
@@ -17,6 +20,7 @@ comparison differs only in the quantization.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Dict, List
 
 import torch
@@ -30,17 +34,18 @@ from megatron.quantization.layers import (
     QuantRowParallelLinear,
 )
 from megatron.quantization.local_attention import LocalDotProductAttention
+from megatron.quantization.config import QuantConfig
 from megatron.quantization.gemm import SiteState
 from megatron.quantization.observers import GemmSite
 from megatron.quantization.recipes import global_module_path
-from megatron.quantization.schemes import QuantConfig, config_details
+from megatron.quantization.runtime import QuantRuntime
 
 # Exact class -> quantized subclass (subclasses of these are someone else's modules: left alone).
-QUANTIZED_CLASS = {
+QUANTIZED_CLASS = MappingProxyType({
     ColumnParallelLinear: QuantColumnParallelLinear,
     RowParallelLinear: QuantRowParallelLinear,
     LocalDotProductAttention: QuantDotProductAttention,
-}
+})
 
 # Modules whose GEMMs run in TransformerEngine kernels, which this converter cannot simulate.
 _TE_MODULE_PREFIXES = ("transformer_engine.", "megatron.core.extensions.transformer_engine")
@@ -87,15 +92,19 @@ def apply_quantization(model: torch.nn.Module, quant: QuantConfig) -> List[GemmS
     output_layer = getattr(model, "output_layer", None)
     layers = _layer_numbers(model)
     sites = []
+    runtime = getattr(model, "quant_runtime", None)
+    if not isinstance(runtime, QuantRuntime):
+        runtime = model.quant_runtime = QuantRuntime(quant.backend)
+    runtime.backend = quant.backend
 
     def site(name: str, kind: str, layer) -> GemmSite:
         path = global_module_path(name, layer)
         config = quant.for_site(kind, layer, path)
-        if config.rht_gemms and kind in ("attn_qk", "attn_pv"):
+        if config.rht.gemms and kind in ("attn_qk", "attn_pv"):
             raise QuantizationError(
                 f"{path}: the random Hadamard transform applies to linear layers only (the "
                 f"recipe file's config for this attention site sets rht)")
-        return GemmSite(name, kind, layer, config, SiteState(path, config))
+        return GemmSite(name, kind, layer, config, SiteState(path, config, runtime))
 
     for name, module in model.named_modules():
         layer = _owning_layer(name, layers)
@@ -106,26 +115,10 @@ def apply_quantization(model: torch.nn.Module, quant: QuantConfig) -> List[GemmS
         elif isinstance(module, QuantDotProductAttention):
             module.qk_site = site(f"{name}.qk", "attn_qk", layer)
             module.pv_site = site(f"{name}.pv", "attn_pv", layer)
-            module.impl = quant.attention_impl
+            module.attention = quant.backend.attention
             sites.extend([module.qk_site, module.pv_site])
     if quant.rules is not None and not quant.rules.matched and sites:
         raise QuantizationError(
             f"--quant-recipe-file {quant.rules.path}: no matcher matches any GEMM site of this "
             f"model (site paths look like {sites[0].state.path})")
     return sites
-
-
-def describe_sites(sites: List[GemmSite]) -> str:
-    """One line per quantized GEMM site: its global path, its formats and settings (the
-    start-up table of recipe runs)."""
-    lines = ["quantized GEMM sites (fprop a/b, dgrad a/b, wgrad a/b):"]
-    for s in sites:
-        cfg = s.config
-        if not cfg.enabled:
-            lines.append(f"  {s.state.path:<48} high precision")
-            continue
-        formats = " | ".join(f"{getattr(cfg, g).a}/{getattr(cfg, g).b}"
-                             for g in ("fprop", "dgrad", "wgrad"))
-        details = config_details(cfg)
-        lines.append(f"  {s.state.path:<48} {formats}" + (f"; {details}" if details else ""))
-    return "\n".join(lines)

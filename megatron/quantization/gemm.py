@@ -17,7 +17,8 @@ A linear layer y = x @ W^T + b is the matmul with A = x (all leading token dims 
 M) and B = W^T, so its weight [N, K] is blocked along its last axis in fprop and along axis 0
 in dgrad, and wgrad blocks dY and x along the flattened token axis. The two quantized copies
 of a weight are kept in the site's state and reused by every micro-batch (and recomputed
-forward) until the weight changes: every optimizer step drops them (see _weight_operand).
+forward) until the weight changes: every step of the run's optimizer drops them (see
+_weight_operand and runtime.QuantRuntime.watch_optimizer).
 Stochastically rounded and delayed-scaled weights are quantized at every call, as the other
 operands are.
 
@@ -40,212 +41,38 @@ In every case
 
     q == quantize_operand(hp, fmt, axis, config)
 
-bit for bit, which is `fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode,
+bit for bit, which is `fake_quantize(hp, fmt, axis=axis, scale_mode=config.mx.scale_mode,
 saturate=config.saturate_for(fmt))` except for tensor-scaled HiFP8 operands
-(`config.hifp8_scaling == "tensor"`), where it is `hifp8_scaled_fake_quantize(hp,
+(`config.hifp8.scaling == "tensor"`), where it is `hifp8_scaled_fake_quantize(hp,
 saturate=...)`. saturate_for is None for every format but HiFP8, so for MX this is the plain
-`fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode)`; HiFP8 operands saturate at
-+-32768 by default (MatmulQuantConfig.hifp8_saturate), which differs from the plain cast only
-for |hp| >= 40960.
+`fake_quantize(hp, fmt, axis=axis, scale_mode=config.mx.scale_mode)`; HiFP8 operands saturate
+at +-32768 by default (config.hifp8.saturate), which differs from the plain cast only for
+|hp| >= 40960.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, FrozenSet, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron.quantization import randomness
-from megatron.quantization.delayed_scaling import AMAX_COMPUTE_ALGOS, AmaxHistories
+from megatron.quantization.config import MatmulQuantConfig
+from megatron.quantization.delayed_scaling import AmaxHistories
+from megatron.quantization.dispatch import fake_quantize
+from megatron.quantization.formats import (
+    format_info, hifp8_scale_exponent, hifp8_scaled_fake_quantize, random_hadamard_transform)
 from megatron.quantization.main_grad import (
     accumulates_into_main_grad, add_to_main_grad, fp32_product)
+from megatron.quantization.runtime import QuantRuntime
 from megatron.quantization.tp_comm import TensorParallelComm
-from megatron.quantization.formats import (
-    SCALE_MODES,
-    canonical_format,
-    fake_quantize,
-    format_info,
-    hifp8_scale_exponent,
-    hifp8_scaled_fake_quantize,
-    random_hadamard_transform,
-)
 
-__all__ = ["OperandFormats", "MatmulQuantConfig", "Fp8Settings", "SiteState",
-           "quantized_matmul", "quantized_linear", "matmul_grads", "quantize_operand",
-           "quantize_slot", "gemm_operand", "gemm_result", "set_weight_cache",
-           "invalidate_weight_cache", "HIFP8_SCALINGS", "FP8_RECIPES", "RHT_BLOCKS",
-           "OPERAND_SLOTS"]
-
-HIFP8_SCALINGS = ("none", "tensor")
-FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
-RHT_BLOCKS = (16, 32, 64, 128)
-GEMMS = ("fprop", "dgrad", "wgrad")
-# The operand slots of a GEMM site: "<gemm>.<side>", side a / b of OperandFormats.
-OPERAND_SLOTS = tuple(f"{g}.{side}" for g in GEMMS for side in ("a", "b"))
-GRADIENT_SLOTS = frozenset({"dgrad.a", "wgrad.b"})     # dY in dgrad and in wgrad
-_STOCHASTIC_KINDS = ("mx", "nvfp4", "fp8")
+__all__ = ["SiteState", "quantized_matmul", "quantized_linear", "matmul_grads",
+           "format_options", "quantize_operand", "quantize_slot", "gemm_operand", "gemm_result",
+           "whole_tensor_scale"]
 
 Observer = Callable[..., None]
-
-
-@dataclass(frozen=True)
-class OperandFormats:
-    """Formats of one GEMM's two operands (canonical names; "none" = high precision)."""
-
-    a: str = "none"
-    b: str = "none"
-
-    def __post_init__(self):
-        object.__setattr__(self, "a", canonical_format(self.a))
-        object.__setattr__(self, "b", canonical_format(self.b))
-
-    @property
-    def enabled(self) -> bool:
-        return self.a != "none" or self.b != "none"
-
-
-@dataclass(frozen=True)
-class Fp8Settings:
-    """How FP8 operands ("fp8_e4m3" / "fp8_e5m2") are scaled, as TransformerEngine's recipes:
-
-    tensorwise  one float32 scale per operand from its own amax (Float8CurrentScaling)
-    delayed     one scale per operand from the amax history of its earlier quantizations
-                (DelayedScaling; `amax_history_len`, `amax_compute_algo`)
-    blockwise   one scale per 1x128 tile along the reduction axis, per 128x128 tile for
-                weights of sites with 2-D weight tiles (Float8BlockScaling)
-
-    scale = (fp8_max * 2**-margin) / amax, truncated to a power of two when `pow2_scale`.
-    """
-
-    recipe: str = "tensorwise"
-    margin: float = 0
-    pow2_scale: bool = False
-    amax_history_len: int = 1
-    amax_compute_algo: str = "most_recent"
-
-    def __post_init__(self):
-        if self.recipe not in FP8_RECIPES:
-            raise ValueError(f"unknown FP8 recipe {self.recipe!r}; valid: {', '.join(FP8_RECIPES)}")
-        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-            raise ValueError(f"unknown amax compute algorithm {self.amax_compute_algo!r}; "
-                             f"valid: {', '.join(AMAX_COMPUTE_ALGOS)}")
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-            raise ValueError(f"amax history length must be a positive int, got "
-                             f"{self.amax_history_len!r}")
-
-
-@dataclass(frozen=True)
-class MatmulQuantConfig:
-    """Per-GEMM operand formats of one matmul site.
-
-    fprop:  C  = A @ B    (a=A, b=B)
-    dgrad:  dA = dC @ B^T (a=dC, b=B)
-    wgrad:  dB = A^T @ dC (a=A, b=dC)
-
-    scale_mode is the MX scale rule ("floor" or "rceil"). hifp8_saturate makes HiFP8 operands
-    saturate at +-32768 instead of overflowing to +-Inf (the training behaviour: one outlier
-    must not turn a whole GEMM into Inf/NaN). hifp8_scaling "tensor" gives every HiFP8
-    operand one power-of-two scale from its own amax (formats.hifp8_scaled_fake_quantize);
-    "none" casts it unscaled.
-
-    The FP4-recipe settings:
-    stochastic  operand slots ("fprop.a", "dgrad.a", ... see OPERAND_SLOTS) whose elements are
-                stochastically rounded (MX, NVFP4 and FP8 operands; counter-based draws, see
-                randomness.py)
-    rht_gemms   GEMMs whose two operands go through the random Hadamard transform of block
-                `rht_block` along the reduction axis (sign vector from `rht_seed`) before they
-                are quantized; the exact product is unchanged (linear sites only)
-    weight_2d   weights (linear sites) in 2-D tiles: NVFP4 16x16, FP8 blockwise 128x128, so the
-                fprop and dgrad copies of a weight are the same numbers
-    fp8         the scaling of FP8 operands (Fp8Settings)
-    """
-
-    fprop: OperandFormats = OperandFormats()
-    dgrad: OperandFormats = OperandFormats()
-    wgrad: OperandFormats = OperandFormats()
-    scale_mode: str = "floor"
-    hifp8_saturate: bool = True
-    hifp8_scaling: str = "none"
-    stochastic: FrozenSet[str] = frozenset()
-    rht_gemms: Tuple[str, ...] = ()
-    rht_block: int = 16
-    rht_seed: int = 0
-    weight_2d: bool = False
-    fp8: Fp8Settings = field(default_factory=Fp8Settings)
-
-    def __post_init__(self):
-        for gemm in ("fprop", "dgrad", "wgrad"):
-            ops = getattr(self, gemm)
-            if not isinstance(ops, OperandFormats):
-                raise TypeError(f"MatmulQuantConfig.{gemm} must be OperandFormats, "
-                                f"got {type(ops).__name__}")
-        if self.scale_mode not in SCALE_MODES:
-            raise ValueError(f"unknown MX scale_mode {self.scale_mode!r}; valid modes: "
-                             f"{', '.join(SCALE_MODES)}")
-        if self.hifp8_scaling not in HIFP8_SCALINGS:
-            raise ValueError(f"unknown HiFP8 scaling {self.hifp8_scaling!r}; valid: "
-                             f"{', '.join(HIFP8_SCALINGS)}")
-        object.__setattr__(self, "stochastic", frozenset(self.stochastic))
-        unknown = sorted(set(self.stochastic) - set(OPERAND_SLOTS))
-        if unknown:
-            raise ValueError(f"unknown operand slots {unknown}; valid: {', '.join(OPERAND_SLOTS)}")
-        object.__setattr__(self, "rht_gemms", tuple(self.rht_gemms))
-        if set(self.rht_gemms) - set(GEMMS):
-            raise ValueError(f"unknown GEMMs {list(self.rht_gemms)} for the Hadamard transform; "
-                             f"valid: {', '.join(GEMMS)}")
-        if self.rht_block not in RHT_BLOCKS:
-            raise ValueError(f"Hadamard block {self.rht_block!r} is not one of "
-                             f"{', '.join(map(str, RHT_BLOCKS))}")
-
-    @property
-    def formats(self) -> FrozenSet[str]:
-        """Every operand format of the three GEMMs ("none" included)."""
-        return frozenset(getattr(getattr(self, g), side) for g in GEMMS for side in ("a", "b"))
-
-    @property
-    def enabled(self) -> bool:
-        """True when any operand of any GEMM is quantized."""
-        return self.fprop.enabled or self.dgrad.enabled or self.wgrad.enabled
-
-    def saturate_for(self, fmt: str) -> Optional[bool]:
-        """The fake_quantize `saturate` argument this config uses for `fmt`."""
-        return self.hifp8_saturate if fmt == "hifp8" else None
-
-    def tensor_scaled(self, fmt: str) -> bool:
-        """True when operands in `fmt` get one scale computed from the whole tensor: HiFP8 with
-        scaling "tensor" (a power-of-two exponent), NVFP4 (its float32 tensor scale) and FP8
-        with the tensorwise recipe. An operand quantized in pieces (chunked attention) must be
-        given the whole operand's scale: see `whole_tensor_scale`."""
-        if fmt == "hifp8":
-            return self.hifp8_scaling == "tensor"
-        if fmt == "nvfp4":
-            return True
-        return fmt.startswith("fp8_") and self.fp8.recipe in ("tensorwise", "delayed")
-
-    def delayed(self, fmt: str) -> bool:
-        """True when operands in `fmt` take their scale from an amax history."""
-        return fmt.startswith("fp8_") and self.fp8.recipe == "delayed"
-
-    def weight_tiles(self, fmt: str) -> bool:
-        """True when weights in `fmt` are quantized in 2-D tiles (NVFP4 16x16, FP8 blockwise
-        128x128); other formats have no 2-D variant."""
-        return self.weight_2d and (fmt == "nvfp4" or (fmt.startswith("fp8_")
-                                                      and self.fp8.recipe == "blockwise"))
-
-    def stochastic_slot(self, gemm: str, side: str, fmt: str) -> bool:
-        """True when the operand in slot gemm.side is stochastically rounded."""
-        return (f"{gemm}.{side}" in self.stochastic and fmt != "none"
-                and format_info(fmt).kind in _STOCHASTIC_KINDS)
-
-    def reusable(self, gemm: str, side: str, fmt: str) -> bool:
-        """True when quantizing the same tensor again in slot gemm.side gives the same bits, so
-        one quantization may serve several uses: round to nearest and a scale from the tensor
-        itself. A stochastically rounded operand draws anew at every call and a delayed-scaled
-        one steps its amax history, so those are quantized at every use."""
-        return not self.stochastic_slot(gemm, side, fmt) and not self.delayed(fmt)
 
 
 def whole_tensor_scale(fmt: str, amax: torch.Tensor):
@@ -255,9 +82,30 @@ def whole_tensor_scale(fmt: str, amax: torch.Tensor):
     return hifp8_scale_exponent(amax.reshape(1)) if fmt == "hifp8" else amax
 
 
+def format_options(config: MatmulQuantConfig, fmt: str, ndim: int, *, weight: bool = False,
+                   amax=None) -> dict:
+    """The fake_quantize format options `config` gives an operand in `fmt` of `ndim`
+    dimensions: NVFP4 {block_2d, amax}, FP8 {scaling, amax, margin, pow2_scale} or
+    {scaling: "block", block, pow2_scale}; {} for other formats. (Stochastic rounding and
+    HiFP8's scale are not format options.) What quantize_operand passes, and what a capture's
+    statistics recompute scales with (tensor_capture/replay.py)."""
+    kind = format_info(fmt).kind
+    tiled = bool(weight) and ndim == 2 and config.weight_tiles(fmt)
+    if kind == "nvfp4":
+        return {"block_2d": tiled, "amax": amax}
+    if kind == "fp8":
+        fp8 = config.fp8
+        if fp8.scaling == "blockwise":
+            return {"scaling": "block", "block": (128, 128) if tiled else (1, 128),
+                    "pow2_scale": fp8.power_of_two}
+        return {"scaling": "tensor", "amax": amax, "margin": fp8.margin,
+                "pow2_scale": fp8.power_of_two}
+    return {}
+
+
 def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantConfig,
                      scale_exponent=None, *, weight: bool = False, amax=None,
-                     seed: Optional[int] = None) -> torch.Tensor:
+                     seed: Optional[int] = None, kernels: str = "auto") -> torch.Tensor:
     """How `config` quantizes one GEMM operand in `fmt` blocked along `axis`: the single
     definition the GEMMs use and captures are reproduced with.
 
@@ -265,36 +113,28 @@ def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantC
     formats.hifp8_scaled_fake_quantize); amax the per-tensor amax of an NVFP4 or FP8 operand
     (delayed scaling, or one piece of a larger operand); seed, when given, rounds the
     elements stochastically with a generator seeded by it; weight marks a linear layer's
-    weight (2-D tiles when config.weight_2d)."""
+    weight (2-D tiles when config.weight_2d); kernels is the kernel mode that runs it
+    (dispatch.py; the same bits in every mode)."""
     if config.tensor_scaled(fmt) and fmt == "hifp8":
         return hifp8_scaled_fake_quantize(hp, saturate=config.saturate_for(fmt),
                                           scale_exponent=scale_exponent)
-    kind = format_info(fmt).kind
-    options = {}
+    options = format_options(config, fmt, hp.dim(), weight=weight, amax=amax)
     if seed is not None:
         options.update(rounding="stochastic", generator=randomness.generator(seed, hp.device))
-    tiled = weight and config.weight_tiles(fmt) and hp.dim() == 2
-    if kind == "nvfp4":
-        options.update(block_2d=tiled, amax=amax)
-    elif kind == "fp8":
-        fp8 = config.fp8
-        if fp8.recipe == "blockwise":
-            tile = (128, 128) if tiled else (1, 128)
-            options.update(scaling="block", block=tile, pow2_scale=fp8.pow2_scale)
-        else:
-            options.update(scaling="tensor", amax=amax, margin=fp8.margin,
-                           pow2_scale=fp8.pow2_scale)
-    return fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode,
-                         saturate=config.saturate_for(fmt), **options)
+    return fake_quantize(hp, fmt, axis=axis, scale_mode=config.mx.scale_mode,
+                         saturate=config.saturate_for(fmt), kernels=kernels, **options)
 
 
 class SiteState:
     """What a GEMM site keeps between calls: its global module path (the key of its
-    stochastic-rounding draws), for delayed FP8 scaling its amax histories, and the
-    quantized copies of its weight (see _weight_operand)."""
+    stochastic-rounding draws), for delayed FP8 scaling its amax histories, the quantized
+    copies of its weight (see _weight_operand), and the runtime its model's sites share
+    (kernel mode, observers, draws, weight-cache generation; a private one when omitted)."""
 
-    def __init__(self, path: str, config: MatmulQuantConfig):
+    def __init__(self, path: str, config: MatmulQuantConfig,
+                 runtime: Optional[QuantRuntime] = None):
         self.path = path
+        self.runtime = runtime if runtime is not None else QuantRuntime()
         fp8 = config.fp8
         uses_delayed = any(config.delayed(f) for f in config.formats)
         self.amax = AmaxHistories(fp8.amax_history_len, fp8.amax_compute_algo) \
@@ -316,10 +156,14 @@ def quantize_slot(config, gemm, name, side, hp, fmt, axis, scales=None, state=No
     elif imposed is not None and config.tensor_scaled(fmt):
         extra["scale_exponent" if fmt == "hifp8" else "amax"] = imposed
     if config.stochastic_slot(gemm, side, fmt):
-        extra["seed"] = randomness.draw_seed(state.path if state else "", gemm, name)
+        if state is None:
+            raise ValueError(f"{gemm}.{side} is stochastically rounded: its draws need the "
+                             "site's state (SiteState)")
+        extra["seed"] = state.runtime.draws.draw_seed(state.path, gemm, name)
     if weight and config.weight_tiles(fmt):
         extra["weight"] = True
-    return quantize_operand(hp, fmt, axis, config, **extra), extra
+    kernels = state.runtime.kernels if state is not None else "auto"
+    return quantize_operand(hp, fmt, axis, config, **extra, kernels=kernels), extra
 
 
 def gemm_operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None, state=None,
@@ -339,30 +183,6 @@ def gemm_operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None,
 
 # -- weights: quantized once per optimizer step -------------------------------------------------
 
-_WEIGHT_CACHE = {"enabled": True, "generation": 0, "hook": None}
-
-
-def set_weight_cache(enabled: bool = True) -> None:
-    """Keep (default) or drop the quantized copies of the weights between GEMM calls."""
-    _WEIGHT_CACHE["enabled"] = bool(enabled)
-
-
-def invalidate_weight_cache(*_args) -> None:
-    """Forget every quantized weight copy (runs after every optimizer step). A weight written
-    without an optimizer step and without autograd's version counter seeing it (through
-    `param.data`) needs this call before the next forward."""
-    _WEIGHT_CACHE["generation"] += 1
-
-
-def _watch_optimizer_steps() -> None:
-    """Invalidate the quantized weights after every optimizer step (a global torch.optim post
-    hook, registered once). megatron-core's mixed-precision and distributed optimizers write
-    the updated weights through `param.data`, which autograd's version counter does not see;
-    they do run a torch.optim optimizer's step first."""
-    if _WEIGHT_CACHE["hook"] is None:
-        _WEIGHT_CACHE["hook"] = register_optimizer_step_post_hook(invalidate_weight_cache)
-
-
 def _weight_operand(observer, config, gemm, weight, axis, state):
     """The weight operand of a linear GEMM (fprop or dgrad), quantized along `axis` (the
     GEMM's reduction axis, after the random Hadamard transform along it when the GEMM has
@@ -375,11 +195,11 @@ def _weight_operand(observer, config, gemm, weight, axis, state):
     quantized at every call (each call draws anew / steps its history), as before. The cost
     is memory: a quantized linear site holds two more copies of its weight (fprop, dgrad)."""
     fmt = getattr(config, gemm).b
-    cached = (_WEIGHT_CACHE["enabled"] and fmt != "none" and state is not None
+    cached = (state is not None and state.runtime.weight_cache and fmt != "none"
               and config.reusable(gemm, "b", fmt))
     key = None
     if cached:
-        key = (_WEIGHT_CACHE["generation"], weight.data_ptr(), weight._version,
+        key = (state.runtime.weights_generation, weight.data_ptr(), weight._version,
                tuple(weight.shape), weight.dtype, weight.device, config)
         entry = state.weights.get(gemm)
         if entry is not None and entry[0] == key:
@@ -387,13 +207,12 @@ def _weight_operand(observer, config, gemm, weight, axis, state):
             if observer is not None:
                 observer(gemm, "weight", w_in, q, fmt, axis, **extra)
             return q
-    w_in = _rotated(weight, axis, config) if gemm in config.rht_gemms else weight
+    w_in = _rotated(weight, axis, config) if gemm in config.rht.gemms else weight
     q, extra = quantize_slot(config, gemm, "weight", "b", w_in, fmt, axis, state=state,
                              weight=True)
     if observer is not None:
         observer(gemm, "weight", w_in, q, fmt, axis, **extra)
     if cached:
-        _watch_optimizer_steps()
         state.weights[gemm] = (key, w_in, q, extra)
     return w_in if q is None else q
 
@@ -401,12 +220,12 @@ def _weight_operand(observer, config, gemm, weight, axis, state):
 def _rotated(t: torch.Tensor, axis: int, config: MatmulQuantConfig) -> torch.Tensor:
     """t through the random Hadamard transform along `axis`, zero-padded to a multiple of the
     block first (zero rows of both operands add nothing to the product)."""
-    n = t.shape[axis]
-    pad = -n % config.rht_block
+    rht = config.rht
+    pad = -t.shape[axis] % rht.block
     if pad:
         spec = [0, 0] * (t.dim() - 1 - axis) + [0, pad]
         t = F.pad(t, spec)
-    return random_hadamard_transform(t, axis=axis, block=config.rht_block, seed=config.rht_seed)
+    return random_hadamard_transform(t, axis=axis, block=rht.block, seed=rht.seed)
 
 
 def gemm_result(observer, gemm, name, value):
@@ -464,7 +283,7 @@ class _QuantizedLinear(torch.autograd.Function):
         ctx.comm, ctx.fuse_wgrad = comm, fuse_wgrad
         x, _ = comm.gather_input(x) if comm is not None else (x, None)
         x_in = x
-        if "fprop" in config.rht_gemms:      # reduction over K: x's last axis, W's axis 1
+        if "fprop" in config.rht.gemms:      # reduction over K: x's last axis, W's axis 1
             x_in = _rotated(x, x.dim() - 1, config)
         qx = gemm_operand(observer, config, "fprop", "input", "a", x_in, config.fprop.a,
                           x.dim() - 1, state=state)
@@ -485,7 +304,7 @@ class _QuantizedLinear(torch.autograd.Function):
         if need_x:
             # dX = dY @ W: reduction over N, the last axis of dY and axis 0 of W.
             g_in = grad_y
-            if "dgrad" in config.rht_gemms:
+            if "dgrad" in config.rht.gemms:
                 g_in = _rotated(grad_y, grad_y.dim() - 1, config)
             qg = gemm_operand(observer, config, "dgrad", "grad_output", "a", g_in, config.dgrad.a,
                               grad_y.dim() - 1, state=state)
@@ -511,7 +330,7 @@ def _weight_grad(g2, x2, weight, config, observer, state, fuse: bool):
     weight of a DistributedDataParallel model, dW is summed into weight.main_grad in fp32 and
     the placeholder autograd receives is returned (main_grad.py); the observer sees the fp32
     product either way."""
-    if "wgrad" in config.rht_gemms:
+    if "wgrad" in config.rht.gemms:
         g2, x2 = _rotated(g2, 0, config), _rotated(x2, 0, config)
     qg = gemm_operand(observer, config, "wgrad", "grad_output", "b", g2, config.wgrad.b, 0,
                       state=state)
@@ -533,16 +352,19 @@ def quantized_matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulQuantConfig
     (gemm, operand) -- ("fprop", "a"), ("dgrad", "grad_output"), ... -- to the per-tensor
     scale a tensor-scaled operand must use (whole_tensor_scale), for a GEMM that is one piece
     of a larger one (chunked attention); other operands derive their scales themselves.
-    `state` is the site's SiteState (stochastic draws, amax histories).
+    `state` is the site's SiteState (stochastic draws, amax histories; a fresh one is made
+    when omitted).
     """
     if not config.enabled and observer is None:
         return torch.matmul(a, b)
     if a.dim() < 2 or b.dim() < 2 or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
         raise ValueError(f"quantized_matmul needs a [..., M, K] and b [..., K, N] with the same "
                          f"batch dims, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if config.rht_gemms:
+    if config.rht.gemms:
         raise ValueError("the random Hadamard transform applies to linear layers only, not to "
                          "attention's GEMMs")
+    if state is None:
+        state = SiteState("", config)
     return _QuantizedMatmul.apply(a, b, config, observer, scales, state)
 
 

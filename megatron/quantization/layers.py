@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron.quantization.gemm import MatmulQuantConfig, quantized_linear
+from megatron.quantization.config import MatmulQuantConfig
+from megatron.quantization.gemm import quantized_linear
 from megatron.quantization.observers import GemmSite, observer_for
 from megatron.quantization.tp_comm import TensorParallelComm
 

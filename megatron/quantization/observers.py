@@ -1,10 +1,11 @@
-"""Observers of quantized GEMMs: a small registry that tensor capture and counters plug into.
+"""Observers of quantized GEMMs: what tensor capture, telemetry and counters plug into.
 
 Every quantized layer is a GEMM *site* (a `GemmSite`: module name, kind, layer number, config).
-When at least one observer is registered, each GEMM a site runs reports its operands and result
-as `observer(site, gemm, operand, hp, q, fmt, axis, **extra)` (see gemm.py for the operand
-names and the extra keywords); when
-none is registered the layers take their fast path and pay nothing.
+Observers watch a model through its runtime (runtime.QuantRuntime.add_observer, or the
+`runtime.observing(model, observer)` block). When at least one watches, each GEMM a site runs
+reports its operands and result as `observer(site, gemm, operand, hp, q, fmt, axis, **extra)`
+(see gemm.py for the operand names and the extra keywords); when none does, the layers take
+their fast path and pay nothing.
 
 Observers see whole GEMM operands, except those that declare `accepts_pieces` (see
 `accepts_pieces`): the chunked attention path shows them each chunk of a chunked operand.
@@ -20,16 +21,17 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
-from megatron.quantization.gemm import MatmulQuantConfig, SiteState
+from megatron.quantization.config import MatmulQuantConfig
+from megatron.quantization.gemm import SiteState
 
 Observer = Callable[..., None]
 
 
 @dataclass(frozen=True)
 class GemmSite:
-    """Where a GEMM runs: `name` is the module path, `kind` one of schemes.SITE_KINDS;
+    """Where a GEMM runs: `name` is the module path, `kind` one of config.SITE_KINDS;
     `state` what the site keeps between calls (its global path, amax histories)."""
 
     name: str
@@ -39,41 +41,11 @@ class GemmSite:
     state: Optional[SiteState] = field(default=None, compare=False, hash=False, repr=False)
 
 
-_OBSERVERS: List[Observer] = []
-
-
-def register_observer(observer: Observer) -> Observer:
-    _OBSERVERS.append(observer)
-    return observer
-
-
-def unregister_observer(observer: Observer) -> None:
-    if observer in _OBSERVERS:
-        _OBSERVERS.remove(observer)
-
-
-def _bind(observer: Observer, site: GemmSite):
-    if hasattr(observer, "bind"):
-        return observer.bind(site)
-    return lambda *report, **extra: observer(site, *report, **extra)
-
-
 def observer_for(site: GemmSite):
-    """A gemm.py observer bound to `site`, or None when no registered observer wants it."""
-    if not _OBSERVERS:
+    """A gemm.py observer bound to `site`, or None when no observer of its model wants it."""
+    if site.state is None:
         return None
-    bound = [b for b in (_bind(o, site) for o in _OBSERVERS) if b is not None]
-    if not bound:
-        return None
-    if len(bound) == 1:
-        return bound[0]
-
-    def observe(gemm, operand, hp, q, fmt, axis, **extra):
-        for observer in bound:
-            observer(gemm, operand, hp, q, fmt, axis, **extra)
-
-    observe.accepts_pieces = all(accepts_pieces(b) for b in bound)
-    return observe
+    return site.state.runtime.observer_for(site)
 
 
 def accepts_pieces(observer) -> bool:
@@ -88,7 +60,8 @@ def accepts_pieces(observer) -> bool:
 class QuantizationCounter:
     """Counts quantized operands per (site kind, gemm, operand, format) and sites seen.
 
-    Register it with `register_observer`; `quantized[(kind, gemm, operand, fmt)]` is the number
+    Add it to a model's runtime (`runtime.observing(model, counter)`);
+    `quantized[(kind, gemm, operand, fmt)]` is the number
     of times that operand was quantized, `sites_run[kind]` the set of site names that ran.
     """
 

@@ -30,10 +30,12 @@ Config keys (every one optional; unknown keys are an error):
                         (16, 32, 64, 128; 0 = off; one block size per config)
     stochastic_rounding none | grad (the dY operands) | all
     weight_2d           weights in 2-D tiles (NVFP4 16x16, FP8 blockwise 128x128)
-    scale_mode          MX scale rule: floor | rceil
-    hifp8_scaling       none | tensor
+and every setting config.py gives a recipe key, e.g.
+    scale_mode          MX scale rule (--mx-scale-mode)
+    hifp8_scaling       none | tensor (--hifp8-scaling)
     fp8_recipe          tensorwise | delayed | blockwise; fp8_margin, fp8_pow2_scale,
                         fp8_amax_history_len, fp8_amax_compute_algo as the --fp8-* flags
+A setting a config does not name keeps the run's flag value.
 """
 
 from __future__ import annotations
@@ -44,33 +46,21 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-from megatron.quantization.formats import SCALE_MODES, canonical_format
-from megatron.quantization.gemm import (
-    FP8_RECIPES, GEMMS, GRADIENT_SLOTS, HIFP8_SCALINGS, OPERAND_SLOTS, RHT_BLOCKS, Fp8Settings,
-    MatmulQuantConfig, OperandFormats)
+from megatron.quantization.config import (
+    GEMMS, RHT_BLOCKS, SITE_CONCERNS, STOCHASTIC_SLOTS, MatmulQuantConfig,
+    OperandFormats, QuantSettings, RhtSettings, SettingError, check_setting, recipe_key_settings)
+from megatron.quantization.formats import canonical_format
 
-STOCHASTIC_ROUNDINGS = ("none", "grad", "all")
-STOCHASTIC_SLOTS = {"none": frozenset(), "grad": GRADIENT_SLOTS, "all": frozenset(OPERAND_SLOTS)}
-RECIPE_NAMES = ("nvfp4", "mxfp4_rht_sr")
+STOCHASTIC_ROUNDINGS = tuple(STOCHASTIC_SLOTS)
 
-# What each named recipe reproduces (README and --help point here).
-RECIPE_SOURCES = {
-    "nvfp4": "NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149; TransformerEngine "
-             "NVFP4BlockScaling): fprop/dgrad/wgrad of every linear layer in NVFP4, weights in "
-             "16x16 tiles, RHT 16 on wgrad, stochastic rounding of gradients, the last ~15% of "
-             "the layers (at least one) and attention in BF16",
-    "mxfp4_rht_sr": "Tseng, Yu, Park 2025 (arXiv 2502.20586): forward in BF16, dgrad and wgrad "
-                    "of every linear layer in MXFP4 with a random Hadamard transform of block 64 "
-                    "and stochastic rounding of their operands",
-}
 
-_CONFIG_KEYS = ("format", "grad_format", "fprop", "dgrad", "wgrad", "stochastic_rounding",
-                "weight_2d", "scale_mode", "hifp8_scaling", "fp8_recipe", "fp8_margin",
-                "fp8_pow2_scale", "fp8_amax_history_len", "fp8_amax_compute_algo")
+# Keys of a config besides the settings' recipe keys; stochastic_rounding and weight_2d are
+# RecipeSettings' keys, which a config turns into its own operand slots and tiles.
+_LAYOUT_KEYS = ("format", "grad_format", "fprop", "dgrad", "wgrad")
 _GEMM_KEYS = ("format", "a", "b", "rht", "stochastic")
 
 
-class RecipeError(ValueError):
+class RecipeError(SettingError):
     """A recipe file or recipe setting that cannot be used; the message is one line."""
 
 
@@ -119,13 +109,47 @@ def _check_keys(mapping, valid, where: str) -> None:
                           f"{', '.join(valid)}")
 
 
-def config_from_payload(payload: dict, where: str, seed: int = 0,
-                        grad_variant=lambda fmt: fmt,
-                        base_fp8: Optional[Fp8Settings] = None) -> MatmulQuantConfig:
+def named_recipe(name: str, num_layers: int, seed: int):
+    """(linear config, default BF16 layers at (start, end)) of a named recipe."""
+    if name == "nvfp4":
+        cfg = MatmulQuantConfig(
+            fprop=OperandFormats("nvfp4", "nvfp4"), dgrad=OperandFormats("nvfp4", "nvfp4"),
+            wgrad=OperandFormats("nvfp4", "nvfp4"), stochastic=STOCHASTIC_SLOTS["grad"],
+            rht=RhtSettings(("wgrad",), 16, seed), weight_2d=True)
+        return cfg, (0, nvfp4_bf16_layers_at_end(num_layers))
+    cfg = MatmulQuantConfig(
+        dgrad=OperandFormats("mxfp4", "mxfp4"), wgrad=OperandFormats("mxfp4", "mxfp4"),
+        stochastic=frozenset({"dgrad.a", "dgrad.b", "wgrad.a", "wgrad.b"}),
+        rht=RhtSettings(("dgrad", "wgrad"), 64, seed))
+    return cfg, (0, 0)
+
+
+def _site_settings(payload: dict, where: str, base: QuantSettings) -> dict:
+    """{concern: settings} of the site concerns, the payload's recipe keys applied on top of
+    the run's settings (each value checked as its flag's would be)."""
+    out = {concern: getattr(base, concern) for concern in SITE_CONCERNS}
+    for key, (concern, f, tp) in recipe_key_settings().items():
+        if key not in payload or concern not in out:
+            continue
+        value = payload[key]
+        check_setting(f, tp, value, name=f"{where}.{key}")
+        if concern == "fp8" and f.name == "recipe" and value == "mxfp8":
+            raise RecipeError(f"{where}.{key}: 'mxfp8' is not an FP8 scaling (give the config "
+                              "format mxfp8); valid: tensorwise, delayed, blockwise")
+        try:
+            out[concern] = out[concern].replace(**{f.name: value})
+        except SettingError as exc:
+            raise RecipeError(f"{where}.{key}: {exc}") from None
+    return out
+
+
+def config_from_payload(payload: dict, where: str, base: QuantSettings, seed: int = 0,
+                        grad_variant=lambda fmt: fmt) -> MatmulQuantConfig:
     """The MatmulQuantConfig a recipe-file config describes. `grad_variant(fmt)` gives the
     gradient-operand format of a GEMM in `fmt` unless grad_format says otherwise (MXFP8:
-    --mx-grad-format); `base_fp8` the --fp8-* settings the keys fp8_* override."""
-    _check_keys(payload, _CONFIG_KEYS, where)
+    --mx-grad-format); `base` the run's settings, which the config's keys override."""
+    keys = _LAYOUT_KEYS + tuple(recipe_key_settings())
+    _check_keys(payload, keys, where)
     default = _format(payload.get("format", "none"), f"{where}.format")
     grad_format = payload.get("grad_format")
     if grad_format is not None:
@@ -161,26 +185,14 @@ def config_from_payload(payload: dict, where: str, seed: int = 0,
     weight_2d = payload.get("weight_2d", False)
     if not isinstance(weight_2d, bool):
         raise RecipeError(f"{where}.weight_2d: expected true or false, got {weight_2d!r}")
-    base = base_fp8 or Fp8Settings()
+    concerns = _site_settings(payload, where, base)
     try:
-        fp8 = Fp8Settings(
-            recipe=_choice(payload.get("fp8_recipe", base.recipe), FP8_RECIPES,
-                           f"{where}.fp8_recipe"),
-            margin=payload.get("fp8_margin", base.margin),
-            pow2_scale=payload.get("fp8_pow2_scale", base.pow2_scale),
-            amax_history_len=payload.get("fp8_amax_history_len", base.amax_history_len),
-            amax_compute_algo=payload.get("fp8_amax_compute_algo", base.amax_compute_algo))
         return MatmulQuantConfig(
             fprop=gemm_formats["fprop"], dgrad=gemm_formats["dgrad"],
-            wgrad=gemm_formats["wgrad"],
-            scale_mode=_choice(payload.get("scale_mode", "floor"), SCALE_MODES,
-                               f"{where}.scale_mode"),
-            hifp8_scaling=_choice(payload.get("hifp8_scaling", "none"), HIFP8_SCALINGS,
-                                  f"{where}.hifp8_scaling"),
-            stochastic=frozenset(stochastic), rht_gemms=tuple(rht_gemms),
-            rht_block=rht_blocks.pop() if rht_blocks else 16, rht_seed=seed,
-            weight_2d=weight_2d, fp8=fp8)
-    except ValueError as exc:
+            wgrad=gemm_formats["wgrad"], stochastic=frozenset(stochastic),
+            rht=RhtSettings(tuple(rht_gemms), rht_blocks.pop() if rht_blocks else 16, seed),
+            weight_2d=weight_2d, **concerns)
+    except SettingError as exc:
         if isinstance(exc, RecipeError):
             raise
         raise RecipeError(f"{where}: {exc}") from None
@@ -231,8 +243,8 @@ class RecipeRules:
         return key, self.configs[key]
 
 
-def load_recipe_file(path: str, seed: int = 0, grad_variant=lambda fmt: fmt,
-                     base_fp8: Optional[Fp8Settings] = None) -> RecipeRules:
+def load_recipe_file(path: str, base: Optional[QuantSettings] = None, seed: int = 0,
+                     grad_variant=lambda fmt: fmt) -> RecipeRules:
     """Parse a recipe file with megatron-core's RecipeConfig and validate every config and
     matcher (one RecipeError line for the first problem)."""
     from megatron.core.quantization.quant_config import RecipeConfig
@@ -257,8 +269,9 @@ def load_recipe_file(path: str, seed: int = 0, grad_variant=lambda fmt: fmt,
                               f"configs (defined: {', '.join(map(str, configs)) or 'none'})")
         if not isinstance(matcher["pattern"], str):
             raise RecipeError(f"{mwhere}.pattern: expected a string, got {matcher['pattern']!r}")
+    base = base or QuantSettings()
     resolved = {key: config_from_payload(payload if payload is not None else {},
-                                         f"{where}: configs.{key}", seed, grad_variant, base_fp8)
+                                         f"{where}: configs.{key}", base, seed, grad_variant)
                 for key, payload in configs.items()}
     if not any(m.get("enabled", False) for m in matchers.values()):
         raise RecipeError(f"{where}: every matcher is disabled (megatron-core's default is "

@@ -4,34 +4,33 @@
 Life cycle, driven by the training loop:
 - on_train_start: every rank agrees on a run id (rank 0 claims it), opens its manifest and
   starts its writer thread; rank 0 writes run-{run_id}.json.
-- on_iteration_start: for a captured iteration, register the GEMM observer (otherwise nothing
-  is registered and the quantized layers run their unobserved fast path).
+- on_iteration_start: for a captured iteration, the GEMM observer watches the model (through
+  its quantization runtime; otherwise nothing watches and the quantized layers run their
+  unobserved fast path).
 - on_micro_batch_start: tell the observer which micro-batch is running forward.
-- on_iteration_end: unregister, log one line, report a capture failure as a stop reason
+- on_iteration_end: stop watching, log one line, report a capture failure as a stop reason
   starting with "error" (or keep training with --tensor-save-continue-on-error), and return
   "control-iter" after the last iteration --control-iter names (after the writer has
   drained), whether or not capture failed on the way.
 - on_train_end: drain the writer (bounded by --tensor-save-drain-timeout), write the rank's
   summary file (its space was reserved at the start, so a full disk does not lose it) and
-  log the summary line. A run that dies by an exception is finalised at interpreter exit or
-  when the next run in the same process starts.
+  log the summary line. The training loop calls it from its `finally`, so a run that dies by
+  an exception is finalised too (exit reason "exception").
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
-import weakref
 from datetime import datetime
 from typing import Dict, Optional
 
 import torch
 
-from megatron.quantization.observers import register_observer, unregister_observer
+from megatron.quantization.runtime import runtimes
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture.config import CaptureConfig
-from megatron.tensor_capture.hooks import CaptureObserver, live_observers
+from megatron.tensor_capture.hooks import CaptureObserver
 from megatron.tensor_capture.policy import CapturePolicy
 from megatron.tensor_capture.records import (
     HostBufferPool, Recorder, RunContext, SiteInfo, site_info)
@@ -121,13 +120,13 @@ class TensorCaptureCallback:
         self.exit_reason: Optional[str] = None
         self.error_reported = False   # the stop reason was returned once
         self._iteration_marks = (0, 0, 0.0, 0.0)
-        _LIVE_CALLBACKS.add(self)
+        self.runtimes = []            # the quantization runtimes of the model's chunks
 
     # -- set-up ----------------------------------------------------------------------------
 
     def on_train_start(self, model_chunks, iteration: int) -> None:
         config = self.config
-        _finalize_stale(keep=self)
+        self.runtimes = runtimes(model_chunks)
         self.ranks = _parallel_ranks()
         self.policy = CapturePolicy(
             control_iter=config.control_iter, micro_batches=config.micro_batches,
@@ -258,7 +257,8 @@ class TensorCaptureCallback:
         if self.stopped or self.observer is None or not self.policy.captures_iteration(iteration):
             return
         self.observer.begin_iteration(iteration)
-        register_observer(self.observer)
+        for runtime in self.runtimes:
+            runtime.add_observer(self.observer)
         self.registered = True
         w = self.writer
         self._iteration_marks = (self.recorder.records, self.recorder.data_bytes,
@@ -289,7 +289,8 @@ class TensorCaptureCallback:
 
     def _unregister(self) -> None:
         if self.registered:
-            unregister_observer(self.observer)
+            for runtime in self.runtimes:
+                runtime.remove_observer(self.observer)
             self.observer.end_iteration()
             self.registered = False
 
@@ -380,28 +381,3 @@ class TensorCaptureCallback:
         if self.ranks["rank"] == 0 or force:
             rank = f" rank {self.ranks['rank']}" if self.ranks["world_size"] > 1 else ""
             print(f"[tensor capture{rank}] {message}", flush=True)
-
-
-_LIVE_CALLBACKS: "weakref.WeakSet[TensorCaptureCallback]" = weakref.WeakSet()
-
-
-def _finalize_stale(keep=None) -> None:
-    """Finish runs that ended by an exception: their observer may still be registered."""
-    for observer in live_observers():
-        if keep is None or observer is not keep.observer:
-            unregister_observer(observer)
-    for callback in list(_LIVE_CALLBACKS):
-        if callback is not keep and not callback.finished and callback.writer is not None:
-            callback.exit_reason = callback.exit_reason or "exception"
-            callback.finalize(timeout=60.0)
-
-
-@atexit.register
-def _finalize_at_exit() -> None:
-    for callback in list(_LIVE_CALLBACKS):
-        if not callback.finished:
-            callback.exit_reason = callback.exit_reason or "exception"
-            try:
-                callback.finalize(timeout=60.0)
-            except Exception:  # noqa: BLE001 - best effort at interpreter exit
-                pass

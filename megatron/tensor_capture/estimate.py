@@ -58,7 +58,7 @@ def scale_bytes(config, fmt: str, numel: int) -> int:
     if kind == "nvfp4":
         return 4 * -(-numel // 16)
     if kind == "fp8":
-        return 4 * -(-numel // 128) if config.fp8.recipe == "blockwise" else 4
+        return 4 * -(-numel // 128) if config.fp8.scaling == "blockwise" else 4
     return 0
 
 

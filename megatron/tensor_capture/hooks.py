@@ -1,6 +1,6 @@
 """The GEMM observer that feeds capture (megatron.quantization.observers protocol).
 
-It is registered only while a captured iteration runs. `bind(site)` is called when a site
+It watches the model's GEMMs only while a captured iteration runs. `bind(site)` is called when a site
 runs forward: it decides whether this site and micro-batch are captured at all (declining
 costs the layer nothing) and snapshots the iteration and micro-batch, because under pipeline
 schedules the backward of a micro-batch runs after later forwards have started.
@@ -9,7 +9,6 @@ schedules the backward of a micro-batch runs after later forwards have started.
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 from megatron.tensor_capture.roles import role_for
@@ -32,7 +31,6 @@ class CaptureObserver:
         self.seconds = 0.0        # time spent capturing in the training step
         self.failed = False
         self._names: Dict[Tuple[str, str], bool] = {}
-        _LIVE_OBSERVERS.add(self)
 
     # -- state set by the training callback ----------------------------------------------
 
@@ -97,11 +95,3 @@ class CaptureObserver:
                 self.on_error(exc)
         finally:
             self.seconds += time.perf_counter() - start
-
-
-_LIVE_OBSERVERS: "weakref.WeakSet[CaptureObserver]" = weakref.WeakSet()
-
-
-def live_observers():
-    """Capture observers still alive (a run that died mid-iteration may leave one registered)."""
-    return list(_LIVE_OBSERVERS)

@@ -19,7 +19,8 @@ import torch
 from megatron.quantization.formats import hifp8_scale_exponent
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture.format import record_file_name, record_name, short_module_name
-from megatron.tensor_capture.replay import operand_metadata, quantize_options, rotation_metadata
+from megatron.quantization.gemm import format_options
+from megatron.tensor_capture.replay import operand_metadata, rotation_metadata
 from megatron.tensor_capture.roles import (
     COMPONENT_OF_KIND, COMPONENT_TAG, LAYER_TYPE, RESULT, Role)
 from megatron.tensor_capture.stats import Moments, block_scales, compute_stats
@@ -264,7 +265,7 @@ class Recorder:
             amax = extra.get("amax")
             if amax is not None:
                 amax = float(amax)      # a 0-d device tensor (delayed scaling): one sync
-            options = quantize_options(config, fmt, hp.dim(), weight=bool(extra.get("weight")),
+            options = format_options(config, fmt, hp.dim(), weight=bool(extra.get("weight")),
                                        amax=amax)
             quantization = operand_metadata(config, fmt, hp, options, extra)
             if extra.get("seed") is not None:
@@ -277,7 +278,7 @@ class Recorder:
             if self.full else None
         item = CaptureItem(metadata=meta, file_name=file_name, keep_tensors=self.full,
                            pool=self.pool)
-        stats_args = (fmt, axis, config.scale_mode, scale_k) if q is not None else ("none",)
+        stats_args = (fmt, axis, config.mx.scale_mode, scale_k) if q is not None else ("none",)
         earlier = self.same_data.get(hp)
         if hp.device.type == "cpu" and not self.full:
             # Statistics later, in the writer thread, from the host copies.
@@ -320,7 +321,7 @@ class Recorder:
             "format": fmt if quantized else "none", "axis": axis, "layout": role.layout,
         }
         if quantized:
-            meta["scale_mode"] = config.scale_mode
+            meta["scale_mode"] = config.mx.scale_mode
             saturate = config.saturate_for(fmt)
             if saturate is not None:
                 meta["saturate"] = saturate

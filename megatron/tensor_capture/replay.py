@@ -16,7 +16,7 @@ The metadata fields besides `format`, `axis`, `scale_mode` and `saturate`:
     rht_block, rht_seed   the operand went through the random Hadamard transform first: the
                        recorded tensor is the rotated (zero-padded) operand the GEMM quantized
 
-`quantize_options` is the one place that turns a site's config into fake_quantize's format
+`gemm.format_options` is the one place that turns a site's config into fake_quantize's format
 options (block_2d, amax, scaling, block, margin, pow2_scale), as quantize_operand does; the
 statistics use them to recompute an operand's scales.
 """
@@ -40,34 +40,6 @@ def _as_float(value) -> float:
     return float(torch.tensor(float(value), dtype=torch.float32))
 
 
-def quantize_options(config, fmt: str, ndim: int, *, weight: bool = False,
-                     amax=None) -> dict:
-    """The fake_quantize format options quantize_operand(hp, fmt, axis, config, weight=weight,
-    amax=amax) uses for an operand of `ndim` dimensions: NVFP4 {block_2d, amax}, FP8 {scaling,
-    amax, margin, pow2_scale} or {scaling: "block", block, pow2_scale}; {} for other formats.
-    (Stochastic rounding and HiFP8's scale are not format options.)"""
-    kind = format_info(fmt).kind
-    tiled = bool(weight) and ndim == 2 and _weight_tiles(config, fmt)
-    if kind == "nvfp4":
-        return {"block_2d": tiled, "amax": amax}
-    if kind == "fp8":
-        fp8 = config.fp8
-        if fp8.recipe == "blockwise":
-            return {"scaling": "block", "block": (128, 128) if tiled else (1, 128),
-                    "pow2_scale": bool(fp8.pow2_scale)}
-        return {"scaling": "tensor", "amax": amax, "margin": fp8.margin,
-                "pow2_scale": bool(fp8.pow2_scale)}
-    return {}
-
-
-def _weight_tiles(config, fmt: str) -> bool:
-    tiles = getattr(config, "weight_tiles", None)
-    if tiles is not None:
-        return bool(tiles(fmt))
-    return bool(config.weight_2d) and (fmt == "nvfp4" or (
-        fmt.startswith("fp8_") and config.fp8.recipe == "blockwise"))
-
-
 def own_amax(hp: torch.Tensor, fmt: str, options: dict) -> Optional[float]:
     """The tensor amax an NVFP4 or tensor-scaled FP8 operand's scale came from when none was
     imposed: max |hp| as the quantizer computes it (float32; NaN / Inf when hp holds them)."""
@@ -88,7 +60,7 @@ def own_amax(hp: torch.Tensor, fmt: str, options: dict) -> Optional[float]:
 def operand_metadata(config, fmt: str, hp: torch.Tensor, options: dict,
                      extra: dict) -> dict:
     """The metadata keys (see the module docstring) of a quantized operand in `fmt` whose
-    format options are `options` (quantize_options) and whose GEMM report carried `extra`."""
+    format options are `options` (gemm.format_options) and whose GEMM report carried `extra`."""
     meta = {}
     kind = format_info(fmt).kind
     seed = extra.get("seed")
@@ -122,8 +94,8 @@ def _plain_number(value):
 
 def rotation_metadata(config, gemm: str) -> dict:
     """rht_block / rht_seed when `gemm`'s operands went through the Hadamard transform."""
-    if gemm in tuple(getattr(config, "rht_gemms", ()) or ()):
-        return {"rht_block": int(config.rht_block), "rht_seed": int(config.rht_seed)}
+    if gemm in config.rht.gemms:
+        return {"rht_block": int(config.rht.block), "rht_seed": int(config.rht.seed)}
     return {}
 
 
@@ -134,18 +106,19 @@ def rotation_metadata(config, gemm: str) -> dict:
 def operand_config(metadata: dict):
     """A MatmulQuantConfig with which quantize_operand quantizes like the recorded operand
     (its scale rule, HiFP8 saturation and scaling, 2-D weight tiles, FP8 settings)."""
-    from megatron.quantization.gemm import Fp8Settings, MatmulQuantConfig
+    from megatron.quantization.config import (
+        Fp8Settings, HiFP8Settings, MatmulQuantConfig, MxSettings)
 
     fp8_scaling = metadata.get("fp8_scaling", "tensor")
     fp8 = Fp8Settings(recipe=_FP8_RECIPE_OF[fp8_scaling],
-                      margin=metadata.get("fp8_margin", 0) or 0,
+                      margin=int(metadata.get("fp8_margin", 0) or 0),
                       pow2_scale=bool(metadata.get("fp8_pow2_scale", False)))
-    return MatmulQuantConfig(
-        scale_mode=metadata.get("scale_mode") or "floor",
-        hifp8_saturate=bool(metadata.get("saturate", False)),
-        hifp8_scaling=metadata.get("hifp8_scaling", "none") if metadata.get("format") ==
-        "hifp8" else "none",
-        weight_2d=bool(metadata.get("block_2d", False)), fp8=fp8)
+    hifp8 = HiFP8Settings(
+        scaling=metadata.get("hifp8_scaling", "none") if metadata.get("format") == "hifp8"
+        else "none", saturate=bool(metadata.get("saturate", False)))
+    return MatmulQuantConfig(mx=MxSettings(scale_mode=metadata.get("scale_mode") or "floor"),
+                             hifp8=hifp8, weight_2d=bool(metadata.get("block_2d", False)),
+                             fp8=fp8)
 
 
 def operand_keywords(metadata: dict) -> dict:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-# Site kinds (megatron.quantization.schemes.SITE_KINDS) grouped by record component.
+# Site kinds (megatron.quantization.config.SITE_KINDS) grouped by record component.
 COMPONENT_OF_KIND = {"linear": "linear", "output_layer": "linear",
                      "attn_qk": "attention", "attn_pv": "attention"}
 LAYER_TYPE = {"linear": "linear", "attention": "attention"}

@@ -18,9 +18,11 @@ computed in float64: HiFP8 saturating values far above its maximum, NVFP4 and FP
 of a block with a subnormal scale, or beyond a delayed scale's range, clamps far below itself)
 and stochastically rounded operands (a value far below the grid's spacing may round up to it).
 
+The telemetry's device-resident sums of the same quantities are in operand_sums.py.
+
 Formats with scales: MX blocks (E8M0 exponents, recomputed from the block maxima), NVFP4 (E4M3
 block scales and a float32 tensor scale) and FP8 (float32 per-tensor or per-tile scales) are
-recomputed from x with the operand's format options (`replay.quantize_options`), through the
+recomputed from x with the operand's format options (`gemm.format_options`), through the
 format library's own `nvfp4_scales` / `fp8_scales` (`scale_stats`), so that saturation and the
 scale statistics describe exactly what the quantizer did.
 """
@@ -28,14 +30,13 @@ scale statistics describe exactly what the quantizer did.
 from __future__ import annotations
 
 import math
-import threading
 from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron.quantization.formats import (
-    HIFP8_OVERFLOW, NAN_EXPONENT, format_info, mx_block_scales, mx_shared_exponents)
+    HIFP8_OVERFLOW, NAN_EXPONENT, format_info, mx_shared_exponents)
 from megatron.quantization.formats.fp8 import fp8_scales
 from megatron.quantization.formats.nvfp4 import nvfp4_scales
 
@@ -59,7 +60,7 @@ def _ratio(num: float, den: float) -> float:
 _ROW, _MAX_ROWS = 8192, 16384
 
 
-def _rows(t: torch.Tensor):
+def rows(t: torch.Tensor):
     """t flattened into equal rows plus a tail. Reducing each row (one thread per row) and
     then the few row results serially gives sums that do not depend on the number of
     threads, so the same tensor gets bit-identical statistics in either capture mode."""
@@ -71,14 +72,14 @@ def _rows(t: torch.Tensor):
 
 
 def _sum64(t: torch.Tensor) -> torch.Tensor:
-    rows, tail = _rows(t)
-    return rows.sum(dim=1, dtype=_F64).sum() + tail.sum(dtype=_F64)
+    body, tail = rows(t)
+    return body.sum(dim=1, dtype=_F64).sum() + tail.sum(dtype=_F64)
 
 
 def _sumsq64(t: torch.Tensor) -> torch.Tensor:
-    rows, tail = _rows(t)
+    body, tail = rows(t)
     norm = torch.linalg.vector_norm
-    return norm(rows, dim=1, dtype=_F64).square().sum() + norm(tail, dtype=_F64).square()
+    return norm(body, dim=1, dtype=_F64).square().sum() + norm(tail, dtype=_F64).square()
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,7 +160,7 @@ def tensor_info(x: torch.Tensor) -> dict:
 # Format-specific parts of quant_error
 # --------------------------------------------------------------------------------------------
 
-def _block_view(t: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+def block_view(t: torch.Tensor, axis: int, block: int) -> torch.Tensor:
     """t as [..., nblocks, block, ...] along `axis`, zero-padded like the MX quantizer."""
     n = t.shape[axis]
     pad = -n % block
@@ -185,7 +186,7 @@ def _mx_block_stats(x: torch.Tensor, fmt: str, info, axis: int, scale_mode: str,
                                    device=x.device), torch.where(bad, 0, exps) if any_bad else exps)
     if any_bad:
         limit = torch.where(bad, math.inf, limit)
-    excess = _block_view(work.abs(), axis, info.block_size)
+    excess = block_view(work.abs(), axis, info.block_size)
     if all_finite:
         # |x| - limit > 0 exactly when |x| > limit; in place on the |x| temporary.
         saturated = torch.count_nonzero(excess.sub_(limit.unsqueeze(axis + 1)).clamp_(min=0))
@@ -265,7 +266,7 @@ def _tiles(t: torch.Tensor, axis: int, block: int, square: bool):
 
 
 def _block_extrema(scales: torch.Tensor, valid: torch.Tensor):
-    inf = _constant(math.inf, scales.device)
+    inf = constant(math.inf, scales.device)
     values = scales.to(_F64)
     return (torch.where(valid, values, inf).amin() if values.numel() else inf,
             torch.where(valid, values, -inf).amax() if values.numel() else -inf)
@@ -285,7 +286,7 @@ def _nvfp4_scale_stats(x: torch.Tensor, axis: int, options: dict) -> ScaleStats:
     valid = defined & (s > 0)
     lo, hi = _block_extrema(s, valid)
     count = lambda mask: torch.count_nonzero(mask)  # noqa: E731
-    return ScaleStats(saturated, _constant(s.numel(), x.device, dtype=torch.int64),
+    return ScaleStats(saturated, constant(s.numel(), x.device, dtype=torch.int64),
                       count(~defined),
                       count(s == 0), count(valid & (s < E4M3_MIN_NORMAL)), lo, hi, s_enc, s,
                       valid)
@@ -297,7 +298,7 @@ def _fp8_scale_stats(x: torch.Tensor, fmt: str, axis: int, options: dict,
     x), the values the element rounding saw."""
     info = format_info(fmt)
     work = x if x.dtype in (_F32, _F64) else x.to(_F32)
-    zero = _constant(0, x.device, dtype=torch.int64)
+    zero = constant(0, x.device, dtype=torch.int64)
     pow2 = bool(options.get("pow2_scale", False))
     if (options.get("scaling") or "tensor") == "tensor":
         amax = options.get("amax")
@@ -311,7 +312,7 @@ def _fp8_scale_stats(x: torch.Tensor, fmt: str, axis: int, options: dict,
             saturated = _count_clamped(torch.where(finite, v, 0.0), info)
             if amax is None:       # current scaling of a tensor with NaN / Inf: all NaN
                 saturated = torch.where(finite.all(), saturated, 0)
-        inf = _constant(math.inf, x.device)
+        inf = constant(math.inf, x.device)
         return ScaleStats(saturated, zero, zero, zero, zero, inf, -inf, scale, None, None)
     block = tuple(options.get("block") or (1, 128))
     square = block == (128, 128)
@@ -328,7 +329,7 @@ def _fp8_scale_stats(x: torch.Tensor, fmt: str, axis: int, options: dict,
     saturated = _count_clamped(v, info)
     valid = defined & (tile_amax > 0)            # a zero tile's scale is a placeholder 1
     lo, hi = _block_extrema(scales, valid)
-    return ScaleStats(saturated, _constant(scales.numel(), x.device, dtype=torch.int64),
+    return ScaleStats(saturated, constant(scales.numel(), x.device, dtype=torch.int64),
                       torch.count_nonzero(~defined), zero, zero, lo, hi, None,
                       torch.where(defined, scales, math.nan), valid)
 
@@ -336,7 +337,7 @@ def _fp8_scale_stats(x: torch.Tensor, fmt: str, axis: int, options: dict,
 def scale_stats(x: torch.Tensor, fmt: str, axis: Optional[int],
                 options: Optional[dict] = None, all_finite: bool = False) -> Optional[ScaleStats]:
     """ScaleStats of an NVFP4 or FP8 operand quantized with the fake_quantize format
-    `options` (replay.quantize_options: block_2d, amax, scaling, block, margin, pow2_scale);
+    `options` (gemm.format_options: block_2d, amax, scaling, block, margin, pow2_scale);
     None for other formats. `all_finite`: the caller knows x holds no NaN / Inf (skips the
     masks that keep such elements, and blocks or tensors that become all NaN, out of the
     saturated count)."""
@@ -467,7 +468,7 @@ def quant_error(x: torch.Tensor, q: torch.Tensor, fmt: str, axis: Optional[int] 
     is empty. `hifp8_scale_exponent` k says q = 2**-k * HiF8(2**k * x) (per-tensor scaling):
     saturation and the HiFP8 regions are then those of the values the grid saw, 2**k * x,
     and `hifp8_regions_unscaled` adds the regions x itself would occupy. `options` are the
-    format options of NVFP4 and FP8 operands (replay.quantize_options: block_2d, amax,
+    format options of NVFP4 and FP8 operands (gemm.format_options: block_2d, amax,
     scaling, block, margin, pow2_scale), from which their scales are recomputed, and
     `stochastic: True` for a stochastically rounded q (q - x is then taken in float64: such
     a q need not lie within a factor 2 of x).
@@ -577,280 +578,17 @@ def _quant_error(x, q, info, axis, scale_mode, m: Moments, hifp8_k: Optional[int
     return result
 
 
-# --------------------------------------------------------------------------------------------
-# Sufficient statistics on the device (training-time telemetry)
-# --------------------------------------------------------------------------------------------
-
-# Layout of the vector `operand_statistics` returns (summed over micro-batches, chunks and
-# ranks), then of the maxima (reduced with max; the exponent minimum is stored negated).
-# Scales (NVFP4, FP8): block counts are summed; the per-tensor and block scale ranges are
-# maxima (minima stored negated), -inf where an operand has none.
-SUM_FIELDS = ("count", "nonzero", "flushed", "saturated", "signal_sq", "error_sq",
-              "nonfinite", *(f"hifp8_{name}" for name in HIFP8_REGIONS),
-              "blocks", "zero_scale_blocks", "subnormal_scale_blocks")
-MAX_FIELDS = ("amax", "neg_scale_exp_min", "scale_exp_max", "neg_tensor_scale_min",
-              "tensor_scale_max", "neg_block_scale_min", "block_scale_max")
-_NO_EXPONENT = -1e9
-# What an operand without a value contributes to each maximum.
-MAX_EMPTY = (_NO_EXPONENT, _NO_EXPONENT, _NO_EXPONENT) + (-math.inf,) * 4
-# floor(log2 |x * 2**k|) of any float32/bf16 value times any scale 2**k, k in [-127, 127],
-# lies in [-276, 255]: histogram bins [-288, 288).
-_E_OFFSET, _E_BINS = 288, 576
+# Cached constant tensors, by (value, device, size, dtype); callers never write to them.
+CONSTANT_CACHE = {}
 
 
-def _region_matrix(device) -> torch.Tensor:
-    """[bins, 6] 0/1: the HiFP8 region of each exponent bin (HIFP8_REGIONS order); e = 15
-    counts as mant1 here, its overflowing part is moved by the caller."""
-    matrix = torch.zeros(_E_BINS, len(HIFP8_REGIONS), dtype=_F64)
-    for b in range(_E_BINS):
-        e = b - _E_OFFSET
-        region = ("underflow" if e <= -24 else "denormal" if e <= -16 else
-                  "mant3" if abs(e) <= 3 else "mant2" if abs(e) <= 7 else
-                  "mant1" if abs(e) <= 15 else "overflow")
-        matrix[b, HIFP8_REGIONS.index(region)] = 1.0
-    return matrix.to(device)
-
-
-_REGION_MATRICES = {}
-
-
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    """sqrt(sum(t**2)) as a float64 0-dim tensor, fast and accurate for a float32 (or
-    float64) t with |t| <= 1 (the caller scales by a power of two below 1 / amax, so no
-    square overflows): fused norms, in t's dtype, of rows of 8192, and the norm of those in
-    float64 (relative error about 1e-8 in float32)."""
-    rows, tail = _rows(t)
-    norm = torch.linalg.vector_norm
-    if not tail.numel():
-        return norm(norm(rows, dim=1), dtype=_F64)
-    return norm(torch.cat([norm(rows, dim=1), norm(tail).reshape(1)]), dtype=_F64)
-
-
-# The integer view of each working float dtype and the mask that clears its sign bit.
-_MAGNITUDE_BITS = {torch.float32: (torch.int32, 0x7FFFFFFF),
-                   torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF)}
-_SCRATCH = threading.local()
-
-
-def _scratch(device: torch.device):
-    """get(name, like, dtype): a buffer shaped like `like`, reused between calls on a CPU (one
-    per name, dtype and thread, grown when too small; its views cached by shape); on an
-    accelerator a fresh tensor, its caching allocator already reuses memory."""
-    if device.type != "cpu":
-        return lambda name, like, dtype: torch.empty(like.shape, dtype=dtype, device=device)
-    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
-
-    def get(name, like, dtype):
-        key = (name, dtype)
-        flat, views = buffers.get(key, (None, None))
-        if flat is None or flat.numel() < like.numel():
-            flat, views = torch.empty(like.numel(), dtype=dtype), {}
-            buffers[key] = (flat, views)
-        view = views.get(like.shape)
-        if view is None:
-            view = views[like.shape] = flat[:like.numel()].view(like.shape)
-        return view
-
-    return get
-
-
-def _scaled_bits(value: float, k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The bits of value * 2**-k in like's dtype (float32 or float64; exact for HiFP8's
-    thresholds), for comparing magnitudes as integers."""
-    scaled = torch.ldexp(torch.tensor(value, dtype=like.dtype, device=like.device), -k)
-    return scaled.view(_MAGNITUDE_BITS[like.dtype][0])
-
-
-def _count_above(magnitude: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor):
-    """count(magnitude > threshold) for sign-cleared float32/float64 bits (threshold
-    broadcasts): minus the sum of the sign bits of threshold - magnitude (-1 where above),
-    which cannot overflow as both are non-negative. On a CPU a subtraction, a shift and a sum
-    in the bits' own integer type are several times faster than a comparison to bool."""
-    sign = magnitude.element_size() * 8 - 1
-    negative = torch.sub(threshold, magnitude, out=out).bitwise_right_shift_(sign)
-    if negative.numel() >= 2 ** 31:         # the count might not fit the int32 sum
-        return torch.count_nonzero(negative)
-    return negative.sum(dtype=negative.dtype).neg_()
-
-
-def _exponents(x_abs: torch.Tensor, x_bits: torch.Tensor, nonzero: torch.Tensor, scratch):
-    """(frexp's exponent of every |x| as int32, the exponent its zeros get). A CPU reads it
-    from the float32 bits, the exponent field minus 126, when no value is subnormal (checked
-    at no cost there: no device to wait for); elsewhere, or with subnormals, torch.frexp,
-    which is several times slower on a CPU."""
-    exponent = scratch("exponent", x_abs, torch.int32)
-    if x_abs.dtype == _F32 and x_abs.device.type == "cpu":
-        largest_subnormal = _constant(0x7FFFFF, x_abs.device, dtype=torch.int32)
-        normal_or_more = _count_above(x_bits, largest_subnormal, scratch("count", x_bits,
-                                                                         torch.int32))
-        if int(nonzero - normal_or_more) == 0:
-            torch.bitwise_right_shift(x_bits, 23, out=exponent).sub_(126)
-            return exponent, -126          # a zero's field is 0
-    torch.frexp(x_abs, out=(scratch("mantissa", x_abs, x_abs.dtype), exponent))
-    return exponent, 0
-
-
-_CONSTANTS = {}
-
-
-def _max_empty(device) -> torch.Tensor:
-    """MAX_EMPTY as a cached float64 tensor on `device` (callers never write to it)."""
-    key = ("max_empty", device)
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = _CONSTANTS[key] = torch.tensor(MAX_EMPTY, dtype=_F64, device=device)
-    return t
-
-
-def _constant(value, device, size=(), dtype=_F64) -> torch.Tensor:
+def constant(value, device, size=(), dtype=_F64) -> torch.Tensor:
     """A cached tensor full of value; callers never write to it."""
     key = (value, device, size, dtype)
-    t = _CONSTANTS.get(key)
+    t = CONSTANT_CACHE.get(key)
     if t is None:
-        if len(_CONSTANTS) > 4096:
-            _CONSTANTS.clear()
-        t = _CONSTANTS[key] = torch.full(size if isinstance(size, tuple) else (size,), value,
+        if len(CONSTANT_CACHE) > 4096:
+            CONSTANT_CACHE.clear()
+        t = CONSTANT_CACHE[key] = torch.full(size if isinstance(size, tuple) else (size,), value,
                                          dtype=dtype, device=device)
     return t
-
-
-class XSide(NamedTuple):
-    """What operand_statistics learns from x alone (0-dim device tensors): reusable when the
-    same data is another GEMM's operand (the weight in fprop and dgrad, x in fprop and wgrad,
-    dY in dgrad and wgrad)."""
-
-    amax: torch.Tensor             # float32 (float64 for a float64 x), like the two below
-    inverse: torch.Tensor          # 2**-e with amax in [2**(e-1), 2**e)
-    scale: torch.Tensor            # 2**e, float64
-    scaled_norm: torch.Tensor      # sqrt(sum((x * inverse)**2)), float64
-    nonzero: torch.Tensor
-
-
-@torch.no_grad()
-def operand_statistics(x: torch.Tensor, q: Optional[torch.Tensor], fmt: str = "none",
-                       axis: Optional[int] = None, scale_mode: str = "floor",
-                       hifp8_scale_exponent=None, x_side: Optional[XSide] = None, *,
-                       options: Optional[dict] = None):
-    """(sums, maxima, x_side): float64 vectors laid out as SUM_FIELDS and MAX_FIELDS, on x's device,
-    with no host synchronisation, so a training step can afford them and a whole logging
-    iteration reduces in one transfer. They add up exactly over pieces of a tensor
-    (micro-batches, chunks, ranks) and give quant_error's statistics:
-
-        saturated_fraction = saturated / count      flushed_fraction = flushed / nonzero
-        sqnr_db = 10 log10(signal_sq / error_sq)     relative_error = sqrt(error_sq / signal_sq)
-        hifp8 region shares = hifp8_<region> / (their sum)
-
-        NVFP4 block scales: zero / subnormal shares = zero_scale_blocks /
-        subnormal_scale_blocks over blocks; tensor and block scale ranges in the maxima
-
-    with the same definitions for tensors whose x and q are finite (MX saturation |x| >
-    max_normal * 2**e; HiFP8 saturation and regions on the grid's side of a per-tensor scale
-    2**k given as `hifp8_scale_exponent`, a 0-dim tensor or int; NVFP4 and FP8 saturation
-    and scales from their format `options`, replay.quantize_options, whose `amax` may be an
-    imposed 0-dim tensor). They are computed for that
-    common case only, in few passes; `nonfinite` is 1 when x or q holds NaN/Inf, and the
-    other fields of such a piece are then meaningless (its amax is NaN or Inf). With q None
-    (an operand kept in high precision) only count, nonfinite and amax are filled.
-    `x_side` (returned for quantized operands) skips the passes over x alone when the same
-    data is measured again.
-    """
-    n = x.numel()
-    device = x.device
-    no_exponent = _constant(_NO_EXPONENT, device)
-    if n == 0:
-        return (torch.zeros(len(SUM_FIELDS), dtype=_F64, device=device),
-                _max_empty(device).clone(), None)
-    if q is None:
-        # max(|min|, |max|): one pass in x's own dtype, no copy; NaN and Inf propagate.
-        lo, hi = torch.aminmax(x)
-        amax = torch.maximum(hi, -lo).to(_F64)
-        sums = torch.zeros(len(SUM_FIELDS), dtype=_F64, device=device)
-        sums[0], sums[6] = n, (~torch.isfinite(amax)).to(_F64)
-        return sums, torch.cat([amax.reshape(1), _max_empty(device)[1:]]), None
-    scratch = _scratch(device)
-    info = format_info(fmt)
-    # |x| and |q| as float32 (float64 for a float64 x): exact copies, in buffers reused
-    # between calls on a CPU (a fresh one costs a page fault per 4 KiB). q is 0 or has x's
-    # sign, so (q - x)**2 = (|q| - |x|)**2. For non-negative floats the bit patterns order
-    # like the values (NaN above Inf), so counts and thresholds work on the bits.
-    work = _F64 if x.dtype == _F64 else _F32
-    int_work, sign_clear = _MAGNITUDE_BITS[work]
-    x_abs = scratch("x_work", x, work).copy_(x).abs_()
-    q_abs = scratch("q_work", x, work).copy_(q).abs_()
-    x_bits, q_bits = x_abs.view(int_work), q_abs.view(int_work)
-    known = x_side is not None
-    if known:
-        amax, down, nonzero = x_side.amax, x_side.inverse, x_side.nonzero
-    else:
-        amax = x_abs.amax()                          # NaN propagates, so does Inf
-        # 2**-e with amax = m * 2**e, m in [0.5, 1): scaled values stay exact and no square
-        # overflows.
-        _, e = torch.frexp(amax)
-        down = torch.ldexp(torch.ones((), dtype=work, device=device), -e.clamp(-126, 126))
-        nonzero = torch.count_nonzero(x_bits)
-    counts = [nonzero, nonzero - torch.count_nonzero(q_bits)]        # x == 0 gives q == 0
-    exp_min = exp_max = no_exponent
-    regions = _constant(0.0, device, len(HIFP8_REGIONS))      # read only
-    block_counts = _constant(0.0, device, 3)                   # read only
-    scale_range = _constant(-math.inf, device, 4)              # read only
-    if info.kind == "mx":
-        dim = axis % x.dim()
-        blocks = _block_view(x_abs, dim, info.block_size)
-        exps, up = mx_block_scales(blocks.amax(dim + 1, keepdim=True), fmt, scale_mode)
-        # max_normal * 2**e is exact (or Inf); NaN blocks' limits are meaningless
-        limit = up.mul_(info.max_normal).view(int_work).bitwise_and_(sign_clear)
-        bits = blocks.view(int_work)
-        counts.append(_count_above(bits, limit, scratch("count", bits, int_work)))
-        exp_min, exp_max = -exps.amin(), exps.amax()
-    elif info.kind == "hifp8":
-        k = torch.as_tensor(0 if hifp8_scale_exponent is None else hifp8_scale_exponent,
-                            device=device).to(torch.int32)
-        # Thresholds on the caller's side of the scale, value * 2**-k, exact; a >= t is
-        # a > t - 1 on the bits (both thresholds are positive normals).
-        counts.append(_count_above(q_bits, _scaled_bits(info.max_normal, k, x_abs) - 1,
-                                   scratch("count", x_bits, int_work)))
-        overflow = _count_above(x_bits, _scaled_bits(HIFP8_OVERFLOW, k, x_abs) - 1,
-                                scratch("count", x_bits, int_work))
-        exponent, zero_exponent = _exponents(x_abs, x_bits, nonzero, scratch)
-        bins = exponent.add_(k - 1 + _E_OFFSET).clamp_(0, _E_BINS - 1)
-        hist = torch.bincount(bins.reshape(-1), minlength=_E_BINS).to(_F64)
-        # remove the zeros from the bin their exponent put them in
-        zero_bin = (k - 1 + _E_OFFSET + zero_exponent).clamp(0, _E_BINS - 1).reshape(1).long()
-        hist.index_add_(0, zero_bin, (nonzero - n).to(_F64).reshape(1))
-        matrix = _REGION_MATRICES.get(device)
-        if matrix is None:
-            matrix = _REGION_MATRICES[device] = _region_matrix(device)
-        regions = hist @ matrix
-        mant1, over = HIFP8_REGIONS.index("mant1"), HIFP8_REGIONS.index("overflow")
-        regions[mant1] -= overflow - regions[over]   # e = 15 at or above 40960 overflows
-        regions[over] = overflow.to(_F64)
-    elif info.kind in SCALED_KINDS:
-        scaled = scale_stats(x, info.name, axis, options, all_finite=True)
-        counts.append(scaled.saturated)
-        block_counts = torch.stack([scaled.blocks, scaled.zero_blocks,
-                                    scaled.subnormal_blocks]).to(_F64)
-        scale_range = torch.stack([-scaled.block_min, scaled.block_max])
-        if scaled.tensor_scale is not None:
-            tensor_scale = scaled.tensor_scale.to(_F64)
-            scale_range = torch.cat([torch.stack([-tensor_scale, tensor_scale]), scale_range])
-        else:
-            scale_range = torch.cat([_constant(-math.inf, device, 2), scale_range])
-    elif info.kind == "float":
-        limit = torch.tensor(info.max_normal, dtype=work, device=device).view(int_work)
-        counts.append(_count_above(x_bits, limit, scratch("count", x_bits, int_work)))
-    else:
-        counts.append(torch.zeros((), dtype=torch.int64, device=device))
-    # |q| - |x| is exact (Sterbenz: q is 0 or within a factor 2 of x), except for HiFP8
-    # saturating far above its maximum, where its rounding does not matter to the sums.
-    # Last, as it overwrites the buffers.
-    error = _norm(q_abs.sub_(x_abs).mul_(down))
-    if not known:
-        x_side = XSide(amax, down, torch.reciprocal(down.to(_F64)), _norm(x_abs.mul_(down)),
-                       nonzero)
-    signal_error = torch.stack([x_side.scaled_norm, error]).mul_(x_side.scale).square_()
-    counts.insert(0, _constant(n, device, dtype=torch.int64))
-    nonfinite = signal_error.sum(0, keepdim=True).isfinite().logical_not_()
-    # cat and stack promote their inputs: float64 results in few operations
-    sums = torch.cat([torch.stack(counts), signal_error, nonfinite, regions, block_counts])
-    maxima = torch.cat([torch.stack([amax, exp_min, exp_max]).to(_F64), scale_range])
-    return sums, maxima, x_side

@@ -2,7 +2,7 @@
 
 `QuantTelemetry` is a GEMM observer (megatron.quantization.observers protocol). While an
 iteration is being measured it adds, for every operand of every GEMM site, the sufficient
-statistics of stats.operand_statistics to device-resident accumulators: no host
+statistics of operand_sums.operand_statistics to device-resident accumulators: no host
 synchronisation in the step. `reduce()` then stacks every accumulator, all-reduces them over
 all ranks (sums and maxima: two collectives) and copies the result to the host once.
 
@@ -41,9 +41,10 @@ import torch
 
 from megatron.quantization.formats import format_info, hifp8_scale_exponent
 from megatron.tensor_capture.records import SameDataCache
-from megatron.tensor_capture.replay import quantize_options
-from megatron.tensor_capture.stats import (
-    HIFP8_REGIONS, MAX_EMPTY, MAX_FIELDS, SUM_FIELDS, operand_statistics)
+from megatron.quantization.gemm import format_options
+from megatron.tensor_capture.operand_sums import (
+    MAX_EMPTY, MAX_FIELDS, SUM_FIELDS, operand_statistics)
+from megatron.tensor_capture.stats import HIFP8_REGIONS
 
 # Attention operands by role (quantized_matmul reports a, b, grad_output).
 _ATTENTION_ROLES = {
@@ -95,10 +96,10 @@ class QuantTelemetry:
             if q is not None:
                 # NVFP4 / FP8: the format options (2-D weight tiles, an imposed or delayed
                 # amax) their scales are recomputed with; stochastic rounding changes none
-                options = quantize_options(config, fmt, hp.dim(), weight=weight, amax=amax)
+                options = format_options(config, fmt, hp.dim(), weight=weight, amax=amax)
             known = self._same_data.get(hp) if q is not None else None
             sums, maxima, x_side = operand_statistics(
-                hp, q, fmt if q is not None else "none", axis, config.scale_mode, k, known,
+                hp, q, fmt if q is not None else "none", axis, config.mx.scale_mode, k, known,
                 options=options)
             if q is not None and known is None:
                 self._same_data.put(hp, x_side)

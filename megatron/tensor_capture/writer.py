@@ -16,11 +16,9 @@ The thread runs at a lower priority than the training step (see `_run_in_backgro
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from datetime import datetime
 from typing import Optional
@@ -60,7 +58,6 @@ class CaptureWriter:
         self._thread = threading.Thread(target=self._run, name="tensor-capture-writer",
                                         daemon=True)
         self._thread.start()
-        _LIVE_WRITERS.add(self)
 
     # -- producer side -------------------------------------------------------------------
 
@@ -123,7 +120,6 @@ class CaptureWriter:
         if not self._thread.is_alive() and self._manifest is not None:
             os.close(self._manifest)
             self._manifest = None
-        _LIVE_WRITERS.discard(self)
         return drained
 
     # -- writer thread -------------------------------------------------------------------
@@ -226,13 +222,3 @@ def _run_in_background() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, current + WRITER_NICENESS))
     except (AttributeError, OSError):
         pass        # no per-thread priorities here: run at normal priority
-
-
-_LIVE_WRITERS: "weakref.WeakSet[CaptureWriter]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_writers(timeout: float = 60.0) -> None:
-    """A run that ended by an exception still flushes what it queued (bounded wait)."""
-    for writer in list(_LIVE_WRITERS):
-        writer.close(timeout)

@@ -715,8 +715,13 @@ EXTRA_VALIDATORS: List[Callable[[argparse.Namespace], None]] = [
 
 
 def format_args(args: argparse.Namespace) -> str:
-    """The arguments as Megatron prints them at start-up, one per line, sorted."""
-    width = max(len(k) for k in vars(args))
-    lines = [f"  {k} {'.' * (width + 4 - len(k))} {v}" for k, v in sorted(vars(args).items())]
+    """The arguments as Megatron prints them at start-up, one per line, sorted. Quantization
+    flags show the values the run uses (what --fp8-* imply applied, the scheme's default)."""
+    values = dict(vars(args))
+    quant = values.get("quant_config")
+    if quant is not None:
+        values.update(quant.settings.as_flags(), quant_config=quant.label)
+    width = max(len(k) for k in values)
+    lines = [f"  {k} {'.' * (width + 4 - len(k))} {v}" for k, v in sorted(values.items())]
     return "------------------------ arguments ------------------------\n" + "\n".join(lines) + \
         "\n-------------------- end of arguments ---------------------"

@@ -177,7 +177,7 @@ def validate_tensor_args(args) -> None:
     if args.tensor_save_mode is None:
         args.tensor_save_mode = rules_mode(rules)
     args.capture_config = None if not args.save_tensors else CaptureConfig(
-        root=args.tensor_save_dir, quant_scheme=args.quant_scheme, rules=rules,
+        root=args.tensor_save_dir, quant_scheme=args.quant_config.label, rules=rules,
         control_iter=args.control_iter, micro_batches=args.collect_micro_batches,
         layers=layers, name_filter=name_filter, config_file=args.tensor_save_config,
         continue_on_error=bool(args.tensor_save_continue_on_error),
@@ -219,31 +219,29 @@ def parse_interval(value: Optional[str], train_iters: int) -> int:
     return _iteration("--tensor-save-interval", str(value).strip(), train_iters, "interval")
 
 
-# The flags recorded in each capture's run-{run_id}.json (provenance for the analysis).
+# The flags recorded in each capture's run-{run_id}.json (provenance for the analysis), besides
+# every quantization flag (config.py), which run_args records as the run uses them.
 RUN_ARGS = (
     "model_preset", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
     "num_query_groups", "kv_channels", "seq_length", "micro_batch_size", "global_batch_size",
     "num_micro_batches", "tensor_model_parallel_size", "pipeline_model_parallel_size",
     "data_parallel_size", "expert_model_parallel_size", "sequence_parallel", "num_experts",
-    "multi_latent_attention", "quant_scheme", "linear_quant", "attn_qk_quant", "attn_pv_quant",
-    "quant_backward", "quant_fprop", "quant_dgrad", "quant_wgrad", "hifp8_scaling",
-    "mx_scale_mode", "mx_grad_format", "quant_skip_layers", "quant_output_layer",
-    "quant_recipe", "quant_recipe_file", "quant_stochastic_rounding", "quant_rht",
-    "quant_rht_gemms", "quant_weight_2d", "first_last_layers_bf16",
-    "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_format", "fp8_recipe",
-    "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_power_2_scales",
-    "quant_stats_interval", "bf16", "fp16", "seed", "lr", "train_iters", "tokenizer_type",
-    "vocab_size", "padded_vocab_size", "mock_data", "data_path", "tensor_save_mode",
-    "tensor_save_layers", "tensor_save_filter", "tensor_save_kinds", "tensor_save_iters",
-    "tensor_save_interval", "tensor_save_config", "git_commit",
+    "multi_latent_attention", "quant_stats_interval", "bf16", "fp16", "seed", "lr",
+    "train_iters", "tokenizer_type", "vocab_size", "padded_vocab_size", "mock_data", "data_path",
+    "tensor_save_mode", "tensor_save_layers", "tensor_save_filter", "tensor_save_kinds",
+    "tensor_save_iters", "tensor_save_interval", "tensor_save_config", "git_commit",
 )
 
 
 def run_args(args) -> dict:
-    """RUN_ARGS as JSON-ready values."""
+    """RUN_ARGS and the quantization flags as JSON-ready values: the quantization flags as the
+    run uses them (what --fp8-* imply applied), quant_scheme the run's label."""
+    values = {name: getattr(args, name, None) for name in RUN_ARGS}
+    quant = getattr(args, "quant_config", None)
+    if quant is not None:
+        values.update(quant.settings.as_flags(), quant_scheme=quant.label)
     out = {}
-    for name in RUN_ARGS:
-        value = getattr(args, name, None)
+    for name, value in values.items():
         out[name] = value if isinstance(value, (bool, int, float, str, type(None))) else \
             (list(value) if isinstance(value, (list, tuple)) else str(value))
     return out

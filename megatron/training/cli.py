@@ -17,7 +17,7 @@ from megatron.training.errors import ConfigError, TrainingError
 from megatron.training.tokenizer import TokenizerError
 
 # megatron-core's warnings when it falls back from TransformerEngine / Apex to torch code.
-_FALLBACK_WARNINGS = r"(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed"
+FALLBACK_WARNINGS = r"(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed"
 
 
 def optional_kernels_notice() -> str:
@@ -42,7 +42,7 @@ def main(forward_step_func, argv=None, extra_args_provider=None,
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     args.git_commit = code_version
-    warnings.filterwarnings("ignore", message=_FALLBACK_WARNINGS)
+    warnings.filterwarnings("ignore", message=FALLBACK_WARNINGS)
     # Imported here, not at the top: the lines above must not wait for megatron-core.
     from megatron.training.training import is_rank_0, pretrain_with_args
 

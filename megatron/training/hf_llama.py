@@ -376,9 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
-    from megatron.training.cli import _FALLBACK_WARNINGS
+    from megatron.training.cli import FALLBACK_WARNINGS
 
-    warnings.filterwarnings("ignore", message=_FALLBACK_WARNINGS)
+    warnings.filterwarnings("ignore", message=FALLBACK_WARNINGS)
     try:
         if args.command == "import":
             import_checkpoint(args.hf_dir, args.ckpt_dir, args.tensor_model_parallel_size,

@@ -34,7 +34,7 @@ from megatron.training.errors import ConfigError
 from megatron.quantization.converter import QuantizationError, apply_quantization
 from megatron.quantization.layers import set_wgrad_fusion
 from megatron.quantization.local_attention import LocalDotProductAttention
-from megatron.quantization.schemes import QuantConfig
+from megatron.quantization.config import QuantConfig
 from megatron.training.modules import Norm
 
 # Argument dests whose name differs from the TransformerConfig field they set.

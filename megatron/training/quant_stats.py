@@ -11,16 +11,14 @@ summarised in the next log line by the worst site.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
-from megatron.quantization.observers import register_observer, unregister_observer
+from megatron.quantization.runtime import runtimes
 from megatron.tensor_capture.callback import collect_sites
 from megatron.tensor_capture.telemetry import QuantTelemetry, site_label
 from megatron.training.wandb_writer import wandb_problem
 
 Results = Dict[Tuple[str, str], Dict[str, float]]
-_LIVE: "weakref.WeakSet[QuantTelemetry]" = weakref.WeakSet()
 
 
 def stats_interval_warnings(args) -> List[str]:
@@ -90,15 +88,15 @@ class QuantStatsCallback:
         self.emit = emit
         self.ep_rank = ep_rank
         self.telemetry: Optional[QuantTelemetry] = None
+        self.runtimes = []
 
     def on_train_start(self, model_chunks, iteration: int) -> None:
-        # A run that died mid-step in this process may have left its observer registered.
-        for stale in list(_LIVE):
-            unregister_observer(stale)
         labels = {name: site_label(info.layer, info.module, info.kind)
                   for name, info in collect_sites(model_chunks, self.ep_rank).items()}
-        self.telemetry = register_observer(QuantTelemetry(labels))
-        _LIVE.add(self.telemetry)
+        self.telemetry = QuantTelemetry(labels)
+        self.runtimes = runtimes(model_chunks)
+        for runtime in self.runtimes:
+            runtime.add_observer(self.telemetry)
 
     def on_iteration_start(self, iteration: int) -> None:
         if iteration % self.interval == 0:
@@ -115,5 +113,6 @@ class QuantStatsCallback:
 
     def on_train_end(self, exit_reason: str) -> None:
         if self.telemetry is not None:
-            unregister_observer(self.telemetry)
+            for runtime in self.runtimes:
+                runtime.remove_observer(self.telemetry)
             self.telemetry = None

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.analysis import study as study_stats
 from megatron.analysis.losses import parse_log_text
-from megatron.quantization.schemes import SCHEMES
+from megatron.quantization.config import SCHEMES
 from megatron.training import corpora
 from megatron.training.bpe_tokenizer import DEFAULT_VOCAB_SIZE
 from megatron.training import run_lock

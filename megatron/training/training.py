@@ -29,10 +29,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megatron.quantization import randomness
-from megatron.quantization.converter import describe_sites
-from megatron.quantization.formats import set_kernels
-from megatron.quantization.gemm import set_weight_cache
+from megatron.quantization.describe import describe_config, describe_sites
+from megatron.quantization.runtime import runtime_of
 from megatron.tensor_capture.callback import TensorCaptureCallback
 from megatron.training import checkpointing
 from megatron.training.arguments import format_args, parse_args, validate_args
@@ -114,7 +112,8 @@ def capture_callback(args) -> Optional[TensorCaptureCallback]:
     if args.capture_config is None:
         return None
     return TensorCaptureCallback(args.capture_config, run_info={
-        "args": run_args(args), "quant_config": args.quant_config.describe(args.num_layers)})
+        "args": run_args(args), "quant_config": describe_config(args.quant_config,
+                                                                args.num_layers)})
 
 
 @dataclass
@@ -504,8 +503,8 @@ def pretrain_with_args(forward_step_func, args, callbacks: Sequence[TrainingCall
     start_time = time.time() if start_time is None else start_time
     result = TrainResult()
     if args.quant_check:
-        print(f"{args.quant_config.describe(args.num_layers)}\n"
-              f"(scheme from {args.quant_scheme_source})", flush=True)
+        print(f"{describe_config(args.quant_config, args.num_layers)}\n"
+              f"(scheme from {args.quant_config.source})", flush=True)
         result.exit_reason = "quant-check"
         return result
     initialize_distributed(args)
@@ -525,13 +524,11 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     print_rank_0(format_args(args))
-    set_kernels(args.quant_kernels)
-    set_weight_cache(args.quant_weight_cache)
     if args.use_flash_attn:
         print_rank_0("note: --use-flash-attn: attention uses the fused kernel by itself "
                      "wherever nothing in attention is quantized")
-    print_rank_0(f"{args.quant_config.describe(args.num_layers)}\n"
-                 f"(scheme from {args.quant_scheme_source})")
+    print_rank_0(f"{describe_config(args.quant_config, args.num_layers)}\n"
+                 f"(scheme from {args.quant_config.source})")
     print_rank_0(describe_precision(args))
     for line in [wandb_problem(args), *args.capture_warnings, *stats_interval_warnings(args)]:
         if line:
@@ -550,7 +547,8 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
         args.load, args.load_fallback_to_previous, log=print_rank_0) if args.load else None
     ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
     quant = args.quant_config
-    if (quant.recipe or quant.rules is not None) and parallel_state.get_tensor_model_parallel_rank() == 0 \
+    if (quant.recipe or quant.rules is not None) \
+            and parallel_state.get_tensor_model_parallel_rank() == 0 \
             and parallel_state.get_data_parallel_rank() == 0:
         # Per-site table of recipe runs, from the first rank of every pipeline stage.
         print(describe_sites(raw_model.quant_sites), flush=True)
@@ -563,8 +561,56 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     if args.load:
         iteration, consumed_samples = checkpointing.load_checkpoint(
             args.load, to_load, raw_model, optimizer, scheduler, args, log=print_rank_0)
-    loaded_at = iteration or None
+    # The quantized weights cached for the micro-batches are dropped after every step of this
+    # run's optimizer (and of no other); the runtime is closed when the run ends, however.
+    runtime = runtime_of(raw_model)
+    runtime.watch_optimizer(optimizer)
+    run = _Run(iteration=iteration, consumed_samples=consumed_samples, loaded_at=iteration or None)
+    try:
+        _train(forward_step_func, args, callbacks, result, start_time, tokenizer, ddp_model,
+               raw_model, optimizer, scheduler, runtime, run)
+    finally:
+        reason = run.exit_reason if run.completed else "exception"
+        _end_callbacks(run.started, reason, failing=not run.completed)
+        runtime.close()
+    result.iteration = run.iteration
+    result.exit_reason = run.exit_reason
+    if run.exit_reason.startswith("error"):
+        result.exit_code = 1
+    print_rank_0(f"[{_timestamp()}] exiting at iteration {run.iteration}: {run.exit_reason} "
+                 f"({(time.time() - start_time) / 60:.2f} min)")
 
+
+@dataclass
+class _Run:
+    """Where a run stands: its counters, the callbacks started, how it ended."""
+
+    iteration: int
+    consumed_samples: int
+    loaded_at: Optional[int]
+    started: list = field(default_factory=list)
+    exit_reason: str = "train-iters"
+    completed: bool = False
+
+
+def _end_callbacks(callbacks, exit_reason: str, failing: bool) -> None:
+    """on_train_end(exit_reason) of every started callback, also when the run fails (then a
+    callback's own error is one warning line and the run's exception goes on)."""
+    for cb in callbacks:
+        try:
+            cb.on_train_end(exit_reason)
+        except Exception as exc:  # noqa: BLE001 - the run's own exception must not be lost
+            if not failing:
+                raise
+            print_rank_0(f"warning: {type(cb).__name__} could not finish after the run failed: "
+                         f"{type(exc).__name__}: {exc}")
+
+
+def _train(forward_step_func, args, callbacks, result, start_time, tokenizer, ddp_model,
+           raw_model, optimizer, scheduler, runtime, run: _Run) -> None:
+    """Datasets, callbacks and the training loop of a set-up run; `run` records where it
+    stands, so that the caller ends the callbacks with the right exit reason."""
+    iteration, consumed_samples, loaded_at = run.iteration, run.consumed_samples, run.loaded_at
     try:
         train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
     except Exception as exc:   # megatron-core wraps a MemoryError of its builders
@@ -590,6 +636,7 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
             ep_rank=parallel_state.get_expert_model_parallel_rank()))
     for cb in callbacks:
         cb.on_train_start([ddp_model], iteration)
+        run.started.append(cb)
 
     micro_batch = {"index": 0}
 
@@ -603,7 +650,6 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     print_rank_0(f"[{_timestamp()}] training from iteration {iteration} to {args.train_iters} "
                  f"({args.num_micro_batches} micro-batches of {args.micro_batch_size} per "
                  f"data-parallel rank, DP={dp_size})")
-    exit_reason = "train-iters"
     saved_at = validated_at = None
 
     def validate(at: int) -> None:
@@ -618,7 +664,7 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     try:
         while iteration < args.train_iters:
             # Stochastic-rounding draws are keyed by (seed, iteration, DP rank, site, ...).
-            randomness.start_iteration(args.seed, iteration + 1, dp_rank)
+            runtime.start_iteration(args.seed, iteration + 1, dp_rank)
             for cb in callbacks:
                 cb.on_iteration_start(iteration + 1)
             micro_batch["index"] = 0
@@ -629,6 +675,7 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
                 raise _step_failure(exc, iteration + 1, args, saved_at or loaded_at) from exc
             iteration += 1
             consumed_samples += args.global_batch_size
+            run.iteration, run.consumed_samples = iteration, consumed_samples
             if loss is not None:
                 result.losses[iteration] = loss
             if grad_norm is not None:
@@ -648,9 +695,9 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
                 saved_at = iteration
             reason = _exit_reason(args, iteration, start_time, signals.received, bool(stop))
             if reason is not None:
-                exit_reason = stop[0] if reason == "callback" and stop else reason
+                run.exit_reason = stop[0] if reason == "callback" and stop else reason
                 break
-        if exit_reason == "train-iters" and valid_iter and validated_at != iteration:
+        if run.exit_reason == "train-iters" and valid_iter and validated_at != iteration:
             # As Megatron-LM: the end of training is always validated, whatever --eval-interval.
             validate(iteration)
     finally:
@@ -662,14 +709,9 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
         result.checkpoint = checkpointing.save_checkpoint(
             args.save, iteration, raw_model, optimizer, scheduler, args, consumed_samples,
             log=print_rank_0)
-    for cb in callbacks:
-        cb.on_train_end(exit_reason)
-    result.iteration = iteration
-    result.exit_reason = exit_reason
-    if exit_reason.startswith("error"):
-        result.exit_code = 1
-    print_rank_0(f"[{_timestamp()}] exiting at iteration {iteration}: {exit_reason} "
-                 f"({(time.time() - start_time) / 60:.2f} min)")
+    run.completed = True
+
+
 
 
 def _caused_by_memory(exc: BaseException) -> bool:

@@ -86,13 +86,12 @@ def test_verdicts_when_claims_fail_or_are_not_resolved(tmp_path):
 def test_the_probes_arms_resolve(arms):
     """Every arm the probe evaluates is a valid spec for llama-tiny (4 layers): a bad one
     would stop `make probe` after its training."""
-    from megatron.evaluation.specs import quant_args_for, spec_parser
-    from megatron.training.arguments import build_parser, parse_args, validate_args
+    from megatron.evaluation.specs import arm_config
+    from megatron.training.arguments import parse_args, validate_args
 
     base = validate_args(parse_args(["--model-preset", "llama-tiny", "--mock-data", "--lr",
                                      "1e-3", "--train-iters", "1", "--micro-batch-size", "4",
                                      "--global-batch-size", "4"]), check_paths=False)
-    parser = spec_parser(build_parser)
     for spec in arms:
-        quant = quant_args_for(spec, base, parser).quant_config
+        quant = arm_config(spec, base.quant_config.settings, base.num_layers, base.seed)
         assert quant.enabled == (spec != "bf16"), spec

@@ -23,13 +23,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pretrain_gpt
 from megatron.quantization import attention as attention_module
-from megatron.quantization.formats import fake_quantize
-from megatron.quantization.gemm import (
-    MatmulQuantConfig, OperandFormats, SiteState, quantized_linear, quantized_matmul)
+from megatron.quantization import fake_quantize
+from megatron.quantization.config import BackendSettings, MatmulQuantConfig, OperandFormats
+from megatron.quantization.gemm import SiteState, quantized_linear, quantized_matmul
+from megatron.quantization.runtime import QuantRuntime
+from megatron.tensor_capture.operand_sums import SUM_FIELDS, operand_statistics
 from megatron.training.presets import NATIVE_VOCAB_SIZE
 from megatron.training.training import pretrain
 
-from conftest import TINY_MOCK_ARGS, kernel_mode
+from conftest import TINY_MOCK_ARGS
 from test_distributed import torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -90,9 +92,10 @@ def _gemm_inputs(kind: str, shape, dtype):
     return [_wide_range(size, seed, dtype) for seed, size in enumerate(shapes)]
 
 
-def observed_quantizations(kind: str, shape, fmt: str, dtype, device) -> dict:
+def observed_quantizations(kind: str, shape, fmt: str, dtype, device, kernels: str) -> dict:
     """{"gemm.operand": (axis, q on the CPU)} of every quantized operand that one forward and
-    backward of quantized_linear / quantized_matmul reports to its observer on `device`."""
+    backward of quantized_linear / quantized_matmul reports to its observer on `device`, its
+    site in kernel mode `kernels`."""
     a, b, grad = (t.to(device) for t in _gemm_inputs(kind, shape, dtype))
     a.requires_grad_()
     b.requires_grad_()
@@ -106,7 +109,7 @@ def observed_quantizations(kind: str, shape, fmt: str, dtype, device) -> dict:
             assert key not in seen, key
             seen[key] = (axis, q.detach().cpu())
 
-    state = SiteState("gpu-check", config)
+    state = SiteState("gpu-check", config, QuantRuntime(BackendSettings(kernels=kernels)))
     if kind == "linear":
         out = quantized_linear(a, b, None, config, observer=observer, state=state)
     else:
@@ -138,6 +141,17 @@ def _gemm_cases():
 @pytest.mark.parametrize("mode", CUDA_KERNEL_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", GEMM_FORMATS)
+def assert_same_sums(cpu, cuda):
+    """operand_statistics' (sums, maxima) on the CPU and on CUDA: counts, regions and maxima
+    exactly; the float32 norms up to their summation order."""
+    (cpu_sums, cpu_max), (cuda_sums, cuda_max) = cpu, cuda
+    norms = [SUM_FIELDS.index("signal_sq"), SUM_FIELDS.index("error_sq")]
+    exact = [i for i in range(len(SUM_FIELDS)) if i not in norms]
+    torch.testing.assert_close(cuda_sums[exact], cpu_sums[exact], rtol=0, atol=0)
+    torch.testing.assert_close(cuda_max, cpu_max, rtol=0, atol=0)
+    torch.testing.assert_close(cuda_sums[norms], cpu_sums[norms], rtol=1e-6, atol=0)
+
+
 def test_every_gemm_operand_on_cuda_has_the_cpu_bits(fmt, dtype, mode):
     """All six quantized operands of fprop, dgrad and wgrad (each along its own reduction
     axis), for linears and attention-like matmuls with and without tail blocks: eager CPU
@@ -148,11 +162,10 @@ def test_every_gemm_operand_on_cuda_has_the_cpu_bits(fmt, dtype, mode):
     if mode == "triton":
         pytest.importorskip("triton")
     cases = _gemm_cases()
-    with kernel_mode("eager"):
-        expected = [observed_quantizations(kind, s, fmt, dtype, "cpu") for kind, s in cases]
+    expected = [observed_quantizations(kind, s, fmt, dtype, "cpu", "eager") for kind, s in cases]
     guard = compiled_without_fallback(64) if mode == "compile" else contextlib.nullcontext()
-    with kernel_mode(mode), guard:
-        actual = [observed_quantizations(kind, s, fmt, dtype, "cuda") for kind, s in cases]
+    with guard:
+        actual = [observed_quantizations(kind, s, fmt, dtype, "cuda", mode) for kind, s in cases]
     for (kind, shape), cpu, cuda in zip(cases, expected, actual):
         operands = LINEAR_OPERANDS if kind == "linear" else MATMUL_OPERANDS
         assert set(cpu) == set(cuda) == operands, (kind, sorted(cpu), sorted(cuda))
@@ -166,11 +179,12 @@ def test_every_gemm_operand_on_cuda_has_the_cpu_bits(fmt, dtype, mode):
 def test_compiled_gemm_operands_stay_within_the_recompile_limit(fmt):
     """A bf16 run's GEMM operands of one format -- linear and attention shapes, both blocked
     axes, tails, operands with and without requires_grad -- under Dynamo's default recompile
-    limit: past it --quant-compile would quietly run eager PyTorch for the rest of the run."""
+    limit: past it --quant-kernels compile would quietly run eager PyTorch for the rest of the
+    run."""
     limit = torch._dynamo.config.recompile_limit
-    with kernel_mode("compile"), compiled_without_fallback(limit):
+    with compiled_without_fallback(limit):
         for kind, shape in _gemm_cases():
-            observed_quantizations(kind, shape, fmt, torch.bfloat16, "cuda")
+            observed_quantizations(kind, shape, fmt, torch.bfloat16, "cuda", "compile")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -202,13 +216,12 @@ def test_triton_kernels_equal_eager_on_cuda(fmt, dtype, rounding):
     x = x.cuda()
     results = {}
     for mode in ("eager", "triton"):
-        with kernel_mode(mode):
-            options = {"saturate": True} if fmt == "hifp8" else {}
-            if rounding == "stochastic":
-                options.update(rounding="stochastic",
-                               generator=torch.Generator("cuda").manual_seed(3))
-            results[mode] = [fake_quantize(t, fmt, axis=axis, **options).cpu()
-                             for t, axis in ((x, -1), (x, 0), (x[:, 3:], -1), (x[:, 3:], 0))]
+        options = {"saturate": True} if fmt == "hifp8" else {}
+        if rounding == "stochastic":
+            options.update(rounding="stochastic",
+                           generator=torch.Generator("cuda").manual_seed(3))
+        results[mode] = [fake_quantize(t, fmt, axis=axis, kernels=mode, **options).cpu()
+                         for t, axis in ((x, -1), (x, 0), (x[:, 3:], -1), (x[:, 3:], 0))]
     for eager, kernel in zip(results["eager"], results["triton"]):
         assert_same_bits(eager, kernel, (fmt, dtype, rounding))
 
@@ -352,7 +365,6 @@ def test_telemetry_statistics_on_cuda_equal_cpu(fmt, scaled):
     """operand_statistics (no host sync; bincount, frexp, norms on the device) gives the
     CPU's sufficient statistics on CUDA."""
     from megatron.quantization.formats import hifp8_scale_exponent, hifp8_scaled_fake_quantize
-    from megatron.tensor_capture.stats import SUM_FIELDS, operand_statistics
 
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(64, 96, generator=g) * torch.logspace(-8, 6, 96)).bfloat16()
@@ -365,10 +377,4 @@ def test_telemetry_statistics_on_cuda_equal_cpu(fmt, scaled):
         sums, maxima, _ = operand_statistics(xd, q, fmt, -1, "floor",
                                              None if k is None else k.to(device))
         results.append((sums.cpu(), maxima.cpu()))
-    (cpu_sums, cpu_max), (cuda_sums, cuda_max) = results
-    norms = [SUM_FIELDS.index("signal_sq"), SUM_FIELDS.index("error_sq")]
-    exact = [i for i in range(len(SUM_FIELDS)) if i not in norms]
-    # counts, regions and maxima exactly; the float32 norms up to their summation order
-    torch.testing.assert_close(cuda_sums[exact], cpu_sums[exact], rtol=0, atol=0)
-    torch.testing.assert_close(cuda_max, cpu_max, rtol=0, atol=0)
-    torch.testing.assert_close(cuda_sums[norms], cpu_sums[norms], rtol=1e-6, atol=0)
+    assert_same_sums(*results)

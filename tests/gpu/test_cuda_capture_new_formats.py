@@ -7,12 +7,14 @@ test_scaled_format_statistics.py)."""
 import pytest
 import torch
 
-from megatron.quantization.formats import fake_quantize
+from megatron.quantization import fake_quantize
 from megatron.tensor_capture.load import load_record
 from megatron.tensor_capture.replay import requantize
-from megatron.tensor_capture.stats import SUM_FIELDS, operand_statistics, quant_error
+from megatron.tensor_capture.operand_sums import operand_statistics
+from megatron.tensor_capture.stats import quant_error
 
 from test_capture_new_formats import _expected_telemetry, _run, bits
+from test_cuda import assert_same_sums
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -37,12 +39,7 @@ def test_statistics_on_cuda_equal_cpu(fmt, options):
         sums, maxima, _ = operand_statistics(xd, q, fmt, -1, options=options)
         results.append((sums.cpu(), maxima.cpu()))
         errors.append(quant_error(xd, q, fmt, -1, options=options))
-    (cpu_sums, cpu_max), (cuda_sums, cuda_max) = results
-    norms = [SUM_FIELDS.index("signal_sq"), SUM_FIELDS.index("error_sq")]
-    exact = [i for i in range(len(SUM_FIELDS)) if i not in norms]
-    torch.testing.assert_close(cuda_sums[exact], cpu_sums[exact], rtol=0, atol=0)
-    torch.testing.assert_close(cuda_max, cpu_max, rtol=0, atol=0)
-    torch.testing.assert_close(cuda_sums[norms], cpu_sums[norms], rtol=1e-6, atol=0)
+    assert_same_sums(*results)
     cpu_error, cuda_error = errors
     for key in ("saturated_fraction", "flushed_fraction", "tensor_scale", "blocks",
                 "block_scale_min", "block_scale_max", "block_scale_hist",

@@ -1,7 +1,7 @@
 """GPU checks of the fused attention path (skipped without CUDA): unquantized attention --
 bf16 or fp32, grouped K/V heads or not, causal or with an explicit mask -- runs forward and
 backward on a fused SDPA kernel with the math kernel excluded (a fallback to it raises), and
-matches the CPU. tests/test_sdpa_backends.py checks the same calls on the CPU."""
+matches the CPU. tests/quantization/test_sdpa_backends.py checks the same calls on the CPU."""
 
 import pytest
 import torch

@@ -10,8 +10,6 @@ CPU tensors under the interpreter; "auto" uses them on CUDA only.
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -31,13 +29,12 @@ def _ulps(mine, ref) -> float:
 
 def _module_results(args, mode, qk, pv, observe=False):
     """(out, grads, fused kernels used) of one forward/backward of a real
-    QuantDotProductAttention under kernel mode `mode`."""
-    from megatron.quantization import formats
+    QuantDotProductAttention whose sites run under kernel mode `mode`."""
     from megatron.quantization.kernels import attention as kernels
-    from megatron.quantization.observers import register_observer, unregister_observer
+    from megatron.quantization.runtime import runtime_of
     import test_attention_paths as paths
 
-    module = paths._module(args, qk, pv)
+    module = paths._module(args, qk, pv, kernels=mode)
     inputs = paths._inputs(SQ, 1, HEADS, GROUPS, DIM, torch.bfloat16)
     grad = torch.randn(SQ, 1, HEADS * DIM, generator=torch.Generator().manual_seed(9)).bfloat16()
     calls = []
@@ -55,15 +52,13 @@ def _module_results(args, mode, qk, pv, observe=False):
             return observe
     watch = Watch()
     kernels.TritonQuantizedAttention.apply = spy
-    formats.set_kernels(mode)
     if observe:
-        register_observer(watch)
+        runtime_of(module).add_observer(watch)
     try:
         out, grads = paths._run(lambda q, k, v: module(q, k, v, None), inputs, grad)
     finally:
         kernels.TritonQuantizedAttention.apply = apply
-        formats.set_kernels("auto")
-        unregister_observer(watch)
+        runtime_of(module).remove_observer(watch)
     return out, grads, bool(calls)
 
 
@@ -160,19 +155,16 @@ def test_training_with_the_fused_kernels(results):
 def test_cpu_tensors_take_the_chunked_path_outside_triton_mode(world_size_one, monkeypatch,
                                                                 mode):
     """auto uses the kernels on CUDA only; eager and compile never (nothing imports triton)."""
-    from megatron.quantization import attention, formats
+    from megatron.quantization import attention
     import test_attention_paths as paths
 
     used = []
     monkeypatch.setattr(attention.QuantDotProductAttention, "_fused_quantized",
                         lambda *a, **k: used.append(1))
-    module = paths._module(world_size_one, "mxfp8", "mxfp8")
+    module = paths._module(world_size_one, "mxfp8", "mxfp8", kernels=mode)
+    assert module.kernels == mode
     inputs = paths._inputs(64, 1, HEADS, GROUPS, DIM, torch.bfloat16)
-    formats.set_kernels(mode)
-    try:
-        out = module(*inputs, None)
-    finally:
-        formats.set_kernels("auto")
+    out = module(*inputs, None)
     assert not used and out.shape == (64, 1, HEADS * DIM)
 
 

@@ -10,12 +10,13 @@ from megatron.quantization import attention as attention_module
 from megatron.quantization.attention import (
     CHUNK_BYTES, GPU_CHUNK_MAX_BYTES, QuantDotProductAttention, chunk_bounds, chunk_bytes_for,
     chunk_key_extent, default_chunk_rows, free_device_bytes, reference_attention)
-from megatron.quantization import randomness
+from megatron.quantization.config import (
+    AttentionSettings, BackendSettings, Fp8Settings, HiFP8Settings, QuantSettings)
 from megatron.quantization.formats import fake_quantize
 from megatron.quantization.gemm import SiteState
 from megatron.quantization.local_attention import causal_mask
-from megatron.quantization.observers import GemmSite, QuantizationCounter, register_observer, \
-    unregister_observer
+from megatron.quantization.observers import GemmSite, QuantizationCounter
+from megatron.quantization.runtime import QuantRuntime, observing, runtime_of
 from megatron.quantization.schemes import site_config
 from megatron.training.model import core_transformer_config_from_args
 
@@ -29,16 +30,25 @@ def _inputs(sq, b, heads, groups, dim, dtype, seed=0):
 
 
 def _module(args, qk="none", pv="none", chunk_rows=None, dropout=0.0, hifp8_scaling="none",
-            stochastic=()):
+            stochastic=(), kernels="auto"):
+    """A QuantDotProductAttention whose QK^T and PV sites are quantized in `qk` and `pv` (MXFP8
+    gradients in E4M3, floor scales, FP8 with current (tensorwise) scaling and hybrid
+    gradients, HiFP8 per `hifp8_scaling`), sharing one runtime of kernel mode `kernels` (its
+    observers and stochastic-rounding draws: runtime_of(module)), as a converted model's."""
     cfg = core_transformer_config_from_args(args)
     cfg.attention_dropout = dropout
     module = QuantDotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                       attention_type="self")
+    settings = QuantSettings(hifp8=HiFP8Settings(scaling=hifp8_scaling))
+    runtime = QuantRuntime(BackendSettings(kernels=kernels))
     for name, fmt in (("qk", qk), ("pv", pv)):
-        config = site_config(fmt, "e4m3", True, "floor", hifp8_scaling, stochastic=stochastic)
+        config = site_config(fmt, settings, stochastic=frozenset(stochastic))
+        if fmt != "none":
+            config = config.replace(fp8=Fp8Settings(recipe="tensorwise"))
         setattr(module, f"{name}_site", GemmSite(f"attn.{name}", f"attn_{name}", 1, config,
-                                                 SiteState(f"attn.{name}", config)))
-    module.chunk_rows = chunk_rows
+                                                 SiteState(f"attn.{name}", config, runtime)))
+    module.attention = AttentionSettings(chunk_rows=chunk_rows)
+    module.quant_runtime = runtime      # as the converter gives a model its runtime
     return module
 
 
@@ -219,12 +229,13 @@ def test_shared_operands_and_skipped_key_blocks_change_no_bit(world_size_one, mo
               for n, heads in ((sq, 4), (sk, 2), (sk, 2))]
     grad = torch.randn(sq, 2, 4 * 32, generator=g).to(dtype)
     runs = []
+    runtime = runtime_of(module)
     for reuse in (False, True):
-        monkeypatch.setattr(QuantDotProductAttention, "share_operands", reuse)
-        monkeypatch.setattr(QuantDotProductAttention, "skip_masked_blocks", reuse)
-        randomness.start_iteration(7, 1)
+        module.attention = module.attention.replace(share_operands=reuse,
+                                                    skip_masked_blocks=reuse)
+        runtime.start_iteration(7, 1)
         runs.append(_run(lambda q, k, v: module(q, k, v, None), inputs, grad))
-        runs[-1] += (dict(randomness._CALLS),)
+        runs[-1] += (dict(runtime.draws.calls),)
     (out0, grads0, draws0), (out1, grads1, draws1) = runs
     assert torch.equal(_bits(out0), _bits(out1)) and draws0 == draws1
     for before, after in zip(grads0, grads1):
@@ -246,11 +257,8 @@ def test_observed_chunks_skip_no_key_block(world_size_one, monkeypatch):
             observe.accepts_pieces = True
             return observe
 
-    observer = register_observer(Pieces())
-    try:
+    with observing(module, Pieces()):
         module(*_inputs(72, 2, 4, 2, 32, torch.float32), None)
-    finally:
-        unregister_observer(observer)
     module(*_inputs(72, 2, 4, 2, 32, torch.float32), None)
     assert all(e == 72 for e in extents[0]) and any(e < 72 for e in extents[1])
 
@@ -313,12 +321,9 @@ def test_observers_and_dropout_take_the_unfused_path(world_size_one, monkeypatch
 
     monkeypatch.setattr(attention_module._ChunkedAttention, "apply", spy)
     module = _module(world_size_one, "mxfp8", "mxfp8")
-    counter = register_observer(QuantizationCounter())
-    try:
+    with observing(module, QuantizationCounter()) as counter:
         q, k, v = _inputs(40, 2, 4, 2, 32, torch.float32)
         out = module(q, k, v, None)
-    finally:
-        unregister_observer(counter)
     assert not calls and out.shape == (40, 2, 128)
     # The observer saw whole GEMM operands: the query of all 2*2 groups and 2*40 rows.
     assert counter.quantized[("attn_qk", "fprop", "a", "mxfp8_e4m3")] == 1

@@ -1,9 +1,9 @@
-"""Kernel mode "compile" (--quant-compile): the calls of a recipe training run, compiled on the
+"""Kernel mode "compile" (--quant-kernels compile): the calls of a recipe training run, compiled on the
 CPU, give eager's bits, compile no more graphs than they have distinct guard sets, and never
 fall back to eager PyTorch in silence: past the module's graph limit they raise.
 
 Dynamo alone keeps at most torch._dynamo.config.recompile_limit (8) graphs per function and runs
-the rest eagerly; formats.fake_quantize feeds its graphs canonical, detached, whole-block
+the rest eagerly; the compile mode (kernels/compiled.py) feeds its graphs canonical, detached, whole-block
 inputs (one graph per option set, whatever the rank, axis, tail or requires_grad) and raises
 its own limit for the compiled calls only, with fail_on_recompile_limit_hit.
 """
@@ -18,9 +18,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from megatron.quantization import formats
-from megatron.quantization.formats import fake_quantize
-
-from conftest import kernel_mode
+from megatron.quantization.dispatch import fake_quantize
+from megatron.quantization.kernels import compiled
 
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 BLOCK_SIZES = {"mx": 32, "nvfp4": 16, "fp8": 128}
@@ -62,13 +61,13 @@ def operand(call: Call) -> torch.Tensor:
     return x.requires_grad_(call.requires_grad)
 
 
-def quantize(call: Call, x: torch.Tensor) -> torch.Tensor:
+def quantize(call: Call, x: torch.Tensor, kernels: str) -> torch.Tensor:
     options = dict(call.options)
     if call.amax is not None:
         options["amax"] = torch.tensor(call.amax)
     if call.seed is not None:
         options.update(rounding="stochastic", generator=torch.Generator().manual_seed(call.seed))
-    return fake_quantize(x, call.fmt, axis=call.axis, **options)
+    return fake_quantize(x, call.fmt, axis=call.axis, kernels=kernels, **options)
 
 
 def guard_set(call: Call) -> tuple:
@@ -169,10 +168,8 @@ def test_a_runs_calls_compile_to_eagers_bits_in_one_graph_per_guard_set():
     with fresh_dynamo():
         for call in RUN:
             x = operand(call)
-            with kernel_mode("eager"):
-                expected = quantize(call, x)
-            with kernel_mode("compile"):
-                actual = quantize(call, x)
+            expected = quantize(call, x, "eager")
+            actual = quantize(call, x, "compile")
             assert_same_bits(expected, actual, call)
         graphs = counters["stats"]["unique_graphs"]
     assert 0 < graphs <= expected_graphs, graphs
@@ -187,24 +184,25 @@ def test_more_graphs_than_dynamos_own_limit_still_compile():
     with fresh_dynamo(), torch._dynamo.config.patch(recompile_limit=2):
         for dtype in (torch.float32, torch.float16, torch.float64):
             xd = x.to(dtype)
-            assert torch.equal(formats.fake_quantize_compiled(xd, "bf16"),
-                               fake_quantize(xd, "bf16"))
+            assert torch.equal(fake_quantize(xd, "bf16", kernels="compile"),
+                               fake_quantize(xd, "bf16", kernels="eager"))
         assert counters["stats"]["unique_graphs"] == 3
 
 
 def test_exceeding_the_graph_limit_raises_instead_of_running_eager(monkeypatch):
-    monkeypatch.setattr(formats, "COMPILED_GRAPH_LIMIT", 2)
+    monkeypatch.setattr(compiled, "COMPILED_GRAPH_LIMIT", 2)
     x = torch.linspace(-3, 3, 40)
     before = dynamo_settings()
     torch._dynamo.reset()
     try:
-        formats.fake_quantize_compiled(x, "fp16")
-        formats.fake_quantize_compiled(x.double(), "fp16")
+        fake_quantize(x, "fp16", kernels="compile")
+        fake_quantize(x.double(), "fp16", kernels="compile")
         with pytest.raises(RuntimeError, match="COMPILED_GRAPH_LIMIT = 2") as raised:
-            formats.fake_quantize_compiled(x.half(), "fp16")
+            fake_quantize(x.half(), "fp16", kernels="compile")
         assert isinstance(raised.value.__cause__, torch._dynamo.exc.FailOnRecompileLimitHit)
         # Graphs already compiled still serve their calls.
-        assert torch.equal(formats.fake_quantize_compiled(x, "fp16"), fake_quantize(x, "fp16"))
+        assert torch.equal(fake_quantize(x, "fp16", kernels="compile"),
+                           fake_quantize(x, "fp16", kernels="eager"))
     finally:
         torch._dynamo.reset()
     assert dynamo_settings() == before

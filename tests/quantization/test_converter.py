@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.quantization.converter import QuantizationError, apply_quantization
-from megatron.quantization.schemes import build_quant_config
+from megatron.quantization.schemes import quant_config
 
 
 def _te_module():
@@ -16,6 +16,6 @@ def _te_module():
 def test_transformer_engine_modules_are_refused_when_quantizing():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), _te_module())
     with pytest.raises(QuantizationError, match=r"^1 is a TransformerEngine module \(TELinear\)"):
-        apply_quantization(model, build_quant_config("linear_mxfp8", 2))
+        apply_quantization(model, quant_config(["--quant-scheme", "linear_mxfp8"], 2))
     # Nothing to quantize: nothing would be silently left out.
-    assert apply_quantization(model, build_quant_config("bf16", 2)) == []
+    assert apply_quantization(model, quant_config(["--quant-scheme", "bf16"], 2)) == []

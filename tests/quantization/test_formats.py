@@ -6,8 +6,6 @@ blocks for every pitfall (P1-P18) of the number-formats design note.
 """
 
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -612,6 +610,15 @@ def test_empty_and_scalar_tensors():
 # Implementation paths that must agree exactly
 # ---------------------------------------------------------------------------------------------
 
+def _native_fp8_casts(monkeypatch, dtype, enabled: bool) -> None:
+    """The element rounding of `dtype` inputs by torch's fp8 casts (True) or by the generic
+    grid rounding (False): the read-only table formats.elements reads, replaced."""
+    from types import MappingProxyType
+    table = dict(formats_module.elements.NATIVE_FP8_CASTS)
+    table[dtype] = enabled
+    monkeypatch.setattr(formats_module.elements, "NATIVE_FP8_CASTS", MappingProxyType(table))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_fp8_casts_equal_generic_grid_rounding(dtype, monkeypatch):
     x = torch.from_numpy(wide_random((32, 128), seed=15, lo=-40, hi=40)).to(dtype)
@@ -619,28 +626,43 @@ def test_native_fp8_casts_equal_generic_grid_rounding(dtype, monkeypatch):
     x[1, 40] = 2.0 ** -130
     for fmt in ("mxfp8_e4m3", "mxfp8_e5m2"):
         for mode in SCALE_MODES:
-            monkeypatch.setitem(formats_module._NATIVE_FP8_CASTS, dtype, True)
+            _native_fp8_casts(monkeypatch, dtype, True)
             a = fake_quantize(x, fmt, scale_mode=mode)
             with monkeypatch.context() as m:    # as if the fp8 cast did not saturate
                 m.setattr(formats_module.elements, "_SATURATING_CPU_CASTS", set())
                 b = fake_quantize(x, fmt, scale_mode=mode)
-            monkeypatch.setitem(formats_module._NATIVE_FP8_CASTS, dtype, False)
+            _native_fp8_casts(monkeypatch, dtype, False)
             c = fake_quantize(x, fmt, scale_mode=mode)
             assert_same(a.float(), c.float().numpy(), fmt)
             assert_same(b.float(), c.float().numpy(), fmt)
 
 
-def test_set_compile_switch():
-    assert not formats_module.compile_enabled()     # eager is the default
-    formats_module.set_compile(True)
-    try:
-        assert formats_module.compile_enabled()
-    finally:
-        formats_module.set_compile(False)
+def test_kernel_mode_is_an_explicit_argument():
+    # The kernel mode is an argument (no process global): "auto" by default, which runs CPU
+    # tensors eagerly (never compiled); "compile" and "eager" are taken as asked; an unknown
+    # mode is an error naming the valid ones.
+    import inspect
+
+    from megatron.quantization import dispatch
+    from megatron.quantization.config import KERNEL_MODES, BackendSettings
+
+    x = torch.randn(4, 32)
+    call = formats_module.prepare_call(x, "mxfp8")
+    assert KERNEL_MODES == ("auto", "triton", "compile", "eager")
+    assert inspect.signature(fake_quantize).parameters["kernels"].default == "auto"
+    assert BackendSettings().kernels == "auto"
+    assert dispatch.quantize_backend(x, call, "auto") == "eager"     # eager is the default
+    assert dispatch.quantize_backend(x, call, "compile") == "compile"
+    assert dispatch.quantize_backend(x, call, "eager") == "eager"
+    assert dispatch.check_kernel_mode("compile") == "compile"
+    for bad in (lambda: dispatch.check_kernel_mode("fast"),
+                lambda: dispatch.quantize_backend(x, call, "fast"),
+                lambda: fake_quantize(x, "mxfp8", kernels="fast")):
+        with pytest.raises(ValueError, match="'fast'.*auto, triton, compile, eager"):
+            bad()
 
 
 def test_compiled_variant_is_identical():
-    from megatron.quantization import fake_quantize_compiled
     x = torch.from_numpy(wide_random((8, 70), seed=16, lo=-30, hi=20))
     x[0, 1], x[1, 2], x[2, :32] = float("nan"), -float("inf"), 0.0
     x[3, 3] = -1e-30
@@ -648,5 +670,6 @@ def test_compiled_variant_is_identical():
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         for fmt, axis in (("mxfp8_e4m3", -1), ("mxfp4", 0), ("hifp8", -1)):
-            assert_same(fake_quantize_compiled(xd, fmt, axis=axis).float(),
-                        fake_quantize(xd, fmt, axis=axis).float().numpy(), f"{fmt} {dtype}")
+            assert_same(fake_quantize(xd, fmt, axis=axis, kernels="compile").float(),
+                        formats_module.fake_quantize(xd, fmt, axis=axis).float().numpy(),
+                        f"{fmt} {dtype}")

@@ -5,8 +5,6 @@ note's section 6.1 float32 sequence in numpy, MX exponents from frexp) and again
 """
 
 import math
-import os
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -15,7 +13,7 @@ import torch
 
 import fp4_reference as ref  # noqa: E402
 from megatron.quantization import (  # noqa: E402
-    NAN_EXPONENT, fake_quantize, fake_quantize_compiled, format_info, mx_shared_exponents)
+    NAN_EXPONENT, fake_quantize, format_info, mx_shared_exponents)
 from megatron.quantization.formats import random_hadamard_transform  # noqa: E402
 from megatron.quantization.formats.hadamard import hadamard_sign_vector  # noqa: E402
 from megatron.quantization.formats.nvfp4 import nvfp4_scales  # noqa: E402
@@ -257,8 +255,8 @@ def test_nvfp4_pieces_with_the_tensor_amax_equal_the_whole():
 def test_nvfp4_compiled_equals_eager():
     for shape, axis in (((8, 70), -1), ((33, 48), -1)):
         x = t(blockwise_wide(shape, seed=7, block=16, block_lo=-20))
-        assert_same(fake_quantize_compiled(x, "nvfp4", axis=axis),
-                    fake_quantize(x, "nvfp4", axis=axis).numpy(), str(shape))
+        assert_same(fake_quantize(x, "nvfp4", axis=axis, kernels="compile"),
+                    fake_quantize(x, "nvfp4", axis=axis, kernels="eager").numpy(), str(shape))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import ast
 import importlib.util
 import math
 import os
-import sys
 import zlib
 
 import numpy as np
@@ -20,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 import fp8_reference as R  # noqa: E402
-from megatron.quantization.formats import fake_quantize, fake_quantize_compiled  # noqa: E402
+from megatron.quantization import dispatch  # noqa: E402
+from megatron.quantization.formats import fake_quantize  # noqa: E402
 from megatron.quantization.formats.fp8 import (  # noqa: E402
-    FP8_SCALINGS, _check_fp8_options, _round_to_f32, fp8_amax, fp8_scales)
+    FP8_SCALINGS, check_fp8_options, _round_to_f32, fp8_amax, fp8_scales)
 
 FMTS = ("fp8_e4m3", "fp8_e5m2")
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -689,11 +689,11 @@ def test_shapes_dtypes_and_non_contiguous_inputs():
 def test_check_options_normalizes():
     x = torch.ones(2, 3)
     assert FP8_SCALINGS == ("tensor", "block")
-    assert _check_fp8_options(x, None, 0, False, None) == ("tensor", 0.0, False, None)
-    assert _check_fp8_options(x, "block", 1, True, None) == ("block", 1.0, True, (1, 128))
-    assert _check_fp8_options(x, "block", -2.5, False, [128, 128]) == (
+    assert check_fp8_options(x, None, 0, False, None) == ("tensor", 0.0, False, None)
+    assert check_fp8_options(x, "block", 1, True, None) == ("block", 1.0, True, (1, 128))
+    assert check_fp8_options(x, "block", -2.5, False, [128, 128]) == (
         "block", -2.5, False, (128, 128))
-    hash(_check_fp8_options(x, "block", 0, False, (128, 128)))
+    hash(check_fp8_options(x, "block", 0, False, (128, 128)))
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
@@ -772,7 +772,7 @@ def test_compiled_variant_is_identical():
     for kw in (dict(amax=3.0, margin=1, pow2_scale=True),
                dict(scaling="block", block=(1, 128), axis=0)):
         eager = fake_quantize(x, "fp8_e4m3", **kw)
-        compiled = fake_quantize_compiled(x, "fp8_e4m3", **kw)
+        compiled = dispatch.fake_quantize(x, "fp8_e4m3", kernels="compile", **kw)
         assert torch.equal(compiled.view(torch.int32), eager.view(torch.int32)), kw
 
 

@@ -17,6 +17,7 @@ from megatron.quantization import (
     quantized_linear,
     quantized_matmul,
 )
+from megatron.quantization.config import HiFP8Settings, MxSettings
 
 NONE = OperandFormats()
 MX8 = OperandFormats("mxfp8", "mxfp8")
@@ -25,7 +26,8 @@ FULL_MX4 = MatmulQuantConfig(fprop=OperandFormats("mxfp4", "mxfp4"),
                              wgrad=OperandFormats("mxfp4", "mxfp4"))
 MIXED = MatmulQuantConfig(fprop=OperandFormats("mxfp8_e4m3", "mxfp4"),
                           dgrad=OperandFormats("mxfp8_e5m2", "hifp8"),
-                          wgrad=OperandFormats("mxfp4", "mxfp8_e5m2"), scale_mode="rceil")
+                          wgrad=OperandFormats("mxfp4", "mxfp8_e5m2"),
+                          mx=MxSettings(scale_mode="rceil"))
 CONFIGS = {
     "fprop_only": MatmulQuantConfig(fprop=OperandFormats("mxfp4", "mxfp4")),
     "dgrad_only": MatmulQuantConfig(dgrad=OperandFormats("mxfp4", "mxfp4")),
@@ -37,10 +39,10 @@ CONFIGS = {
                                 dgrad=OperandFormats("none", "mxfp4"),
                                 wgrad=OperandFormats("none", "mxfp4")),
     "full_mxfp4": FULL_MX4,
-    "full_mxfp8_rceil": MatmulQuantConfig(MX8, MX8, MX8, scale_mode="rceil"),
+    "full_mxfp8_rceil": MatmulQuantConfig(MX8, MX8, MX8, mx=MxSettings(scale_mode="rceil")),
     "full_hifp8": MatmulQuantConfig(*(OperandFormats("hifp8", "hifp8"),) * 3),
     "full_hifp8_tensor_scaled": MatmulQuantConfig(*(OperandFormats("hifp8", "hifp8"),) * 3,
-                                                  hifp8_scaling="tensor"),
+                                                  hifp8=HiFP8Settings(scaling="tensor")),
     "mixed": MIXED,
 }
 
@@ -50,12 +52,12 @@ def q_explicit(t, fmt, axis, config):
     if fmt == "none":
         return t
     moved = t.movedim(axis, -1).contiguous()
-    if fmt == "hifp8" and config.hifp8_scaling == "tensor":
+    if fmt == "hifp8" and config.hifp8.scaling == "tensor":
         # one scale for the whole operand: 2**-k * HiF8(2**k * t), amax * 2**k in [8, 16)
         k = 3 - int(torch.floor(torch.log2(moved.abs().max().double())))
         q = fake_quantize(moved * 2.0 ** k, "hifp8", saturate=True) * 2.0 ** -k
     else:
-        q = fake_quantize(moved, fmt, axis=-1, scale_mode=config.scale_mode,
+        q = fake_quantize(moved, fmt, axis=-1, scale_mode=config.mx.scale_mode,
                           saturate=True if fmt == "hifp8" else None)
     return q.movedim(-1, axis)
 
@@ -191,7 +193,8 @@ def test_hifp8_operands_saturate_in_training():
     y = quantized_linear(x, w, None, config,
                          lambda gemm, op, hp, q, fmt, axis: seen.setdefault(op, q))
     assert seen["input"][0, 0].item() == 32768.0 and torch.isfinite(y).all()
-    plain = MatmulQuantConfig(fprop=OperandFormats("hifp8", "none"), hifp8_saturate=False)
+    plain = MatmulQuantConfig(fprop=OperandFormats("hifp8", "none"),
+                              hifp8=HiFP8Settings(saturate=False))
     assert torch.isinf(quantized_linear(x, w, None, plain)[0]).any()
 
 
@@ -217,7 +220,7 @@ def check_observed(recorder, config, expected):
             assert q is None
             continue
         assert q.shape == hp.shape
-        again = fake_quantize(hp, fmt, axis=axis, scale_mode=config.scale_mode,
+        again = fake_quantize(hp, fmt, axis=axis, scale_mode=config.mx.scale_mode,
                               saturate=config.saturate_for(fmt))
         assert torch.equal(q, again), (gemm, operand)
 
@@ -325,13 +328,15 @@ def test_config_validation_and_canonical_names():
     with pytest.raises(ValueError, match="valid formats"):
         OperandFormats("fp8", "none")
     with pytest.raises(ValueError, match="floor, rceil"):
-        MatmulQuantConfig(scale_mode="even")
+        MatmulQuantConfig(mx=MxSettings(scale_mode="even"))
     with pytest.raises(TypeError):
         MatmulQuantConfig(fprop=("mxfp8", "mxfp8"))
     config = MatmulQuantConfig()
     assert config.saturate_for("hifp8") is True and config.saturate_for("mxfp8_e4m3") is None
     with pytest.raises(AttributeError):
-        config.scale_mode = "rceil"
+        config.mx = MxSettings(scale_mode="rceil")
+    with pytest.raises(AttributeError):
+        config.mx.scale_mode = "rceil"
 
 
 def test_hifp8_tensor_scaling_changes_the_result():

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.quantization import randomness
+from megatron.quantization.config import (
+    Fp8Settings, MatmulQuantConfig, OperandFormats, RhtSettings)
 from megatron.quantization.formats import fake_quantize, random_hadamard_transform
-from megatron.quantization.gemm import (
-    Fp8Settings, MatmulQuantConfig, OperandFormats, SiteState, quantize_operand,
-    quantized_linear)
+from megatron.quantization.gemm import SiteState, quantize_operand, quantized_linear
+from megatron.quantization.runtime import QuantRuntime
 
 
 def _config(fmt="none", **settings):
@@ -49,7 +49,7 @@ def _data(shape=(3, 7, 40), n=24, dtype=torch.float64, seed=0):
 def test_hadamard_transform_leaves_the_exact_product_unchanged(block):
     # K = 40, N = 24 and M = 21 tokens are not multiples of the block: zero padding.
     x, w, grad = _data()
-    cfg = _config(rht_gemms=("fprop", "dgrad", "wgrad"), rht_block=block, rht_seed=5)
+    cfg = _config(rht=RhtSettings(("fprop", "dgrad", "wgrad"), block, 5))
     recorder = Recorder()      # an observer forces the quantized path although nothing rounds
     y, gx, gw = _run(cfg, x, w, observer=recorder, grad=grad)
     y0, gx0, gw0 = _run(_config(), x, w, grad=grad)
@@ -66,7 +66,7 @@ def test_hadamard_transform_leaves_the_exact_product_unchanged(block):
 def test_hadamard_transform_changes_what_is_quantized():
     x, w, grad = _data(dtype=torch.float32)
     plain = _run(_config("mxfp4"), x, w, grad=grad)[2]
-    rotated = _run(_config("mxfp4", rht_gemms=("wgrad",), rht_block=16), x, w, grad=grad)[2]
+    rotated = _run(_config("mxfp4", rht=RhtSettings(("wgrad",), 16)), x, w, grad=grad)[2]
     exact = _run(_config(), x, w, grad=grad)[2]
     assert not torch.equal(plain, rotated)
     # Both are estimates of the same exact gradient.
@@ -78,7 +78,7 @@ def test_stochastic_rounding_is_reproducible_from_the_reported_seed():
     x, w, grad = _data(dtype=torch.float32)
     cfg = _config("mxfp4", stochastic=frozenset({"dgrad.a", "wgrad.b"}))
     state = SiteState("decoder.layers.0.mlp.linear_fc1", cfg)
-    randomness.start_iteration(seed=7, iteration=3)
+    state.runtime.start_iteration(seed=7, iteration=3)
     recorder = Recorder()
     first = _run(cfg, x, w, state=state, observer=recorder, grad=grad)
     for (gemm, operand), reports in recorder.reports.items():
@@ -94,10 +94,10 @@ def test_stochastic_rounding_is_reproducible_from_the_reported_seed():
     second = _run(cfg, x, w, state=state, grad=grad)
     assert torch.equal(first[0], second[0]) and not torch.equal(first[2], second[2])
     # ... and the same iteration started afresh (a resumed run) draws the same ones.
-    randomness.start_iteration(seed=7, iteration=3)
+    state.runtime.start_iteration(seed=7, iteration=3)
     again = _run(cfg, x, w, state=state, grad=grad)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    randomness.start_iteration(seed=8, iteration=3)
+    state.runtime.start_iteration(seed=8, iteration=3)
     assert not torch.equal(_run(cfg, x, w, state=state, grad=grad)[2], first[2])
 
 
@@ -107,8 +107,9 @@ def test_stochastic_draws_are_keyed_by_site_and_shared_by_replicas():
     seeds = []
     for site, stream, iteration in (("a", 0, 1), ("a", 0, 1), ("b", 0, 1), ("a", 1, 1),
                                     ("a", 0, 2)):
-        randomness.start_iteration(seed=1, iteration=iteration, stream=stream)
-        seeds.append(randomness.draw_seed(site, "wgrad", "grad_output"))
+        runtime = QuantRuntime()      # one rank's model
+        runtime.start_iteration(seed=1, iteration=iteration, stream=stream)
+        seeds.append(runtime.draws.draw_seed(site, "wgrad", "grad_output"))
     assert seeds[0] == seeds[1] and len(set(seeds[1:])) == 4
 
 

@@ -3,7 +3,6 @@ attention do not grow with the sequence length (the number of chunks), those of 
 not grow with the number of micro-batches; and this reuse, with the causal key blocks the
 chunks leave out, changes no bit of the losses or gradients."""
 
-import contextlib
 from collections import Counter, defaultdict
 
 import pytest
@@ -13,7 +12,7 @@ import pretrain_gpt
 from megatron.quantization import attention as attention_module
 from megatron.quantization import gemm as gemm_module
 from megatron.quantization.attention import QuantDotProductAttention
-from megatron.training import training as training_module
+from megatron.quantization.config import MatmulQuantConfig, OperandFormats
 from megatron.training.training import TrainingCallback, pretrain
 
 from conftest import TINY_MOCK_ARGS
@@ -73,29 +72,41 @@ class _Quantizations(TrainingCallback):
         return {(g, o): n for (p, g, o), n in self.counts[iteration].items() if p == path}
 
 
-def _train(extra, iters=2, callbacks=()):
+class _Attention(TrainingCallback):
+    """Sets the attention settings of every quantized core attention of the run's model
+    before its first forward pass (the converter gives them the config's)."""
+
+    def __init__(self, **changes):
+        self.changes = changes
+        self.modules = 0
+
+    def on_train_start(self, model_chunks, iteration):
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                if isinstance(module, QuantDotProductAttention):
+                    module.attention = module.attention.replace(**self.changes)
+                    self.modules += 1
+        assert self.modules > 0
+
+
+def _train(extra, iters=2, callbacks=(), chunk_rows=None, previous=False):
+    """A run; chunk_rows sets the query rows of attention's chunks; previous runs it as before
+    the reuse: K and V quantized in every chunk, no key block skipped, weights at every call
+    (--no-quant-weight-cache)."""
+    changes = {}
+    if chunk_rows is not None:
+        changes["chunk_rows"] = chunk_rows
+    if previous:
+        changes.update(share_operands=False, skip_masked_blocks=False)
+        extra = extra + ["--no-quant-weight-cache"]
+    callbacks = ([_Attention(**changes)] if changes else []) + list(callbacks)
     return pretrain(pretrain_gpt.forward_step,
                     TINY_MOCK_ARGS + ["--train-iters", str(iters)] + extra, callbacks=callbacks)
 
 
-@contextlib.contextmanager
-def _previous_behaviour(monkeypatch):
-    """K and V quantized in every chunk, no key block skipped, weights at every call."""
-    with monkeypatch.context() as patch:
-        patch.setattr(QuantDotProductAttention, "share_operands", False)
-        patch.setattr(QuantDotProductAttention, "skip_masked_blocks", False)
-        gemm_module.set_weight_cache(False)
-        # A run sets the cache from --quant-weight-cache at start: keep it off.
-        patch.setattr(training_module, "set_weight_cache", lambda enabled=True: None)
-        try:
-            yield
-        finally:
-            gemm_module.set_weight_cache(True)
-
-
-def _counted(monkeypatch, extra, iters=2):
+def _counted(monkeypatch, extra, iters=2, **options):
     counter = _Quantizations(monkeypatch)
-    _train(extra, iters, [counter])
+    _train(extra, iters, [counter], **options)
     assert counter.inside > 0 and counter.outside == 0
     return counter
 
@@ -121,10 +132,10 @@ def test_k_and_v_are_quantized_once_whatever_the_sequence_length(monkeypatch):
     are quantized once per GEMM slot and micro-batch (K^T's fprop slot twice: the forward and
     backward's recomputation); the pieces Q, P, dS, dO once per chunk and pass; the weights
     once per step."""
-    monkeypatch.setattr(QuantDotProductAttention, "chunk_rows", 32)
     heads_per_group, micro_batches = 2, 2
     for seq in (64, 256):
-        counter = _counted(monkeypatch, ATTENTION_MXFP8 + ["--seq-length", str(seq)])
+        counter = _counted(monkeypatch, ATTENTION_MXFP8 + ["--seq-length", str(seq)],
+                           chunk_rows=32)
         chunks = heads_per_group * seq // 32
         qk, pv = _attention_counts(chunks)
         for iteration in (1, 2):
@@ -143,9 +154,7 @@ def test_k_and_v_are_quantized_once_whatever_the_sequence_length(monkeypatch):
 def test_before_the_reuse_k_v_and_weights_were_quantized_at_every_use(monkeypatch):
     """The counts above can fail: without the reuse K^T and V are quantized in every chunk
     and the weights at every micro-batch."""
-    monkeypatch.setattr(QuantDotProductAttention, "chunk_rows", 32)
-    with _previous_behaviour(monkeypatch):
-        counter = _counted(monkeypatch, ATTENTION_MXFP8, iters=1)
+    counter = _counted(monkeypatch, ATTENTION_MXFP8, iters=1, chunk_rows=32, previous=True)
     chunks, micro_batches = 4, 2
     qk = counter.site(1, "layers.0.self_attention.core_attention.qk")
     pv = counter.site(1, "layers.0.self_attention.core_attention.pv")
@@ -172,14 +181,11 @@ def test_weights_are_quantized_once_per_step_whatever_the_micro_batches(monkeypa
 def test_no_quant_weight_cache_quantizes_weights_at_every_use(monkeypatch):
     """--no-quant-weight-cache: each weight once per micro-batch (and the flag's default,
     the cache, is back for the next run)."""
-    try:
-        counter = _counted(monkeypatch, ["--quant-scheme", "linear_mxfp8",
-                                         "--global-batch-size", "8", "--no-quant-weight-cache"],
-                           iters=1)
-        got = counter.site(1, "decoder.layers.0.mlp.linear_fc1")
-        assert got[("fprop", "weight")] == got[("dgrad", "weight")] == 4
-    finally:
-        gemm_module.set_weight_cache(True)
+    counter = _counted(monkeypatch, ["--quant-scheme", "linear_mxfp8",
+                                     "--global-batch-size", "8", "--no-quant-weight-cache"],
+                       iters=1)
+    got = counter.site(1, "decoder.layers.0.mlp.linear_fc1")
+    assert got[("fprop", "weight")] == got[("dgrad", "weight")] == 4
     counter = _counted(monkeypatch, ["--quant-scheme", "linear_mxfp8",
                                      "--global-batch-size", "8"], iters=1)
     assert counter.site(1, "decoder.layers.0.mlp.linear_fc1")[("fprop", "weight")] == 1
@@ -223,12 +229,11 @@ def test_reuse_and_skipped_key_blocks_change_no_bit(monkeypatch, scheme):
     pass); recipe_nvfp4 rounds the gradients stochastically and caches its 16x16-tile
     weights; mxfp8_sr_all rounds every operand stochastically (K, V and the weights are then
     quantized at every use, with the draws as before, and no key block is skipped)."""
-    monkeypatch.setattr(QuantDotProductAttention, "chunk_rows", 32)
     runs = []
     for previous in (True, False):
         grads = _Gradients()
-        with _previous_behaviour(monkeypatch) if previous else contextlib.nullcontext():
-            result = _train(SCHEMES[scheme], iters=3, callbacks=[grads])
+        result = _train(SCHEMES[scheme], iters=3, callbacks=[grads], chunk_rows=32,
+                        previous=previous)
         runs.append((result, grads.grads))
     (before, before_grads), (after, after_grads) = runs
     assert after.losses == before.losses and after.grad_norms == before.grad_norms
@@ -262,15 +267,18 @@ def _step(x, weight, config, state):
 
 def test_weight_copies_are_dropped_by_an_update(monkeypatch):
     """Reused while the weight is unchanged; an in-place write (autograd's version counter),
-    an optimizer step (which megatron-core's optimizers follow with writes through
-    `param.data`, invisible to that counter) or invalidate_weight_cache() refreshes them."""
+    a step of the optimizer the site's runtime watches (megatron-core's optimizers follow it
+    with writes through `param.data`, invisible to that counter) or
+    runtime.invalidate_weights() refreshes them."""
     calls = _linear_calls(monkeypatch)
-    config = gemm_module.MatmulQuantConfig(*[gemm_module.OperandFormats("mxfp8", "mxfp8")] * 3)
+    config = MatmulQuantConfig(*[OperandFormats("mxfp8", "mxfp8")] * 3)
     state = gemm_module.SiteState("layer", config)
     g = torch.Generator().manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(64, 32, generator=g))
     x = torch.randn(8, 32, generator=g)
     optimizer = torch.optim.SGD([weight], lr=0.1)
+    state.runtime.watch_optimizer(optimizer)          # as pretrain does for its optimizer
+
     def fresh():
         """quantized_linear's result without the cache (a new site state), not counted."""
         n = len(calls)
@@ -290,7 +298,7 @@ def test_weight_copies_are_dropped_by_an_update(monkeypatch):
         weight.mul_(0.5)                              # in place: the version counter moves
     assert _step(x, weight, config, state).equal(fresh()) and len(calls) == 8
     weight.data.mul_(2.0)
-    gemm_module.invalidate_weight_cache()
+    state.runtime.invalidate_weights()
     assert _step(x, weight, config, state).equal(fresh()) and len(calls) == 10
 
 
@@ -298,14 +306,12 @@ def test_stochastically_rounded_weights_draw_at_every_call(monkeypatch):
     """A weight slot with stochastic rounding is quantized at every call, each call with the
     next draw of the counter-based stream, as before; the other slot is reused."""
     calls = _linear_calls(monkeypatch)
-    formats = gemm_module.OperandFormats("mxfp4", "mxfp4")
-    config = gemm_module.MatmulQuantConfig(formats, formats, formats,
-                                           stochastic=frozenset({"dgrad.b"}))
+    formats = OperandFormats("mxfp4", "mxfp4")
+    config = MatmulQuantConfig(formats, formats, formats, stochastic=frozenset({"dgrad.b"}))
     state = gemm_module.SiteState("layer", config)
     weight = torch.nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(1)))
     x = torch.randn(8, 32)
-    from megatron.quantization import randomness
-    randomness.start_iteration(0, 1)
+    state.runtime.start_iteration(0, 1)
     for _ in range(3):
         _step(x, weight, config, state)
     assert [gemm for gemm, _ in calls] == ["fprop", "dgrad", "dgrad", "dgrad"]

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from megatron.quantization.gemm import OperandFormats
+from megatron.quantization.config import OperandFormats
+from megatron.quantization.describe import describe_config
 from megatron.quantization.recipes import global_module_path, nvfp4_bf16_layers_at_end
 from megatron.training.arguments import ConfigError, parse_args, validate_args
 
@@ -35,13 +36,13 @@ def test_nvfp4_recipe_is_the_papers_setting():
     lin = q.linear
     for gemm in ("fprop", "dgrad", "wgrad"):
         assert getattr(lin, gemm) == OperandFormats("nvfp4", "nvfp4")
-    assert lin.weight_2d and lin.rht_gemms == ("wgrad",) and lin.rht_block == 16
+    assert lin.weight_2d and lin.rht.gemms == ("wgrad",) and lin.rht.block == 16
     assert lin.stochastic == {"dgrad.a", "wgrad.b"}          # the dY operands only
-    assert lin.rht_seed == 1234                                # --seed
+    assert lin.rht.seed == 1234                                # --seed
     assert not q.attn_qk.enabled and not q.attn_pv.enabled    # attention in BF16
     assert q.skip_layers == {8}                                # round(0.15 * 8) = 1
     assert q.recipe == "nvfp4"
-    assert "recipe: nvfp4" in q.describe(8)
+    assert "recipe: nvfp4" in describe_config(q, 8)
 
 
 @pytest.mark.parametrize("layers,tail", [(1, 1), (4, 1), (8, 1), (16, 2), (32, 5), (62, 9)])
@@ -68,7 +69,7 @@ def test_mxfp4_rht_sr_recipe():
     lin = quant(["--quant-recipe", "mxfp4_rht_sr"]).linear
     assert lin.fprop == OperandFormats("none", "none")
     assert lin.dgrad == lin.wgrad == OperandFormats("mxfp4", "mxfp4")
-    assert lin.rht_gemms == ("dgrad", "wgrad") and lin.rht_block == 64
+    assert lin.rht.gemms == ("dgrad", "wgrad") and lin.rht.block == 64
     assert lin.stochastic == {"dgrad.a", "dgrad.b", "wgrad.a", "wgrad.b"}
 
 
@@ -76,10 +77,10 @@ def test_flags_without_a_recipe():
     lin = quant(["--quant-scheme", "linear_nvfp4", "--quant-stochastic-rounding", "all",
                  "--quant-rht", "32", "--quant-weight-2d"]).linear
     assert lin.stochastic == {"fprop.a", "fprop.b", "dgrad.a", "dgrad.b", "wgrad.a", "wgrad.b"}
-    assert lin.rht_gemms == ("wgrad",) and lin.rht_block == 32 and lin.weight_2d
+    assert lin.rht.gemms == ("wgrad",) and lin.rht.block == 32 and lin.weight_2d
     lin = quant(["--quant-scheme", "linear_mxfp4", "--quant-rht", "64", "--quant-rht-gemms",
                  "dgrad", "wgrad"]).linear
-    assert lin.rht_gemms == ("dgrad", "wgrad") and not lin.weight_2d and not lin.stochastic
+    assert lin.rht.gemms == ("dgrad", "wgrad") and not lin.weight_2d and not lin.stochastic
 
 
 @pytest.mark.parametrize("extra,expected", [
@@ -109,20 +110,20 @@ def test_fp8_format_implies_linear_fp8_with_megatron_defaults():
     assert lin.fprop == OperandFormats("fp8_e4m3", "fp8_e4m3")
     assert lin.dgrad == OperandFormats("fp8_e5m2", "fp8_e4m3")       # (dY, W)
     assert lin.wgrad == OperandFormats("fp8_e4m3", "fp8_e5m2")       # (X, dY)
-    assert (lin.fp8.recipe, lin.fp8.amax_history_len, lin.fp8.amax_compute_algo,
-            lin.fp8.margin, lin.fp8.pow2_scale) == ("delayed", 1, "most_recent", 0, False)
+    assert (lin.fp8.scaling, lin.fp8.amax_history_len, lin.fp8.amax_compute_algo,
+            lin.fp8.margin, lin.fp8.power_of_two) == ("delayed", 1, "most_recent", 0, False)
     assert not lin.weight_2d
 
 
 def test_fp8_recipes():
     lin = quant(["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-margin", "1"]).linear
     assert lin.dgrad == OperandFormats("fp8_e4m3", "fp8_e4m3")
-    assert lin.fp8.recipe == "tensorwise" and lin.fp8.margin == 1
+    assert lin.fp8.scaling == "tensorwise" and lin.fp8.margin == 1
     lin = quant(["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]).linear
-    assert lin.fp8.recipe == "blockwise" and lin.fp8.pow2_scale and lin.weight_2d
+    assert lin.fp8.scaling == "blockwise" and lin.fp8.power_of_two and lin.weight_2d
     lin = quant(["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--no-fp8-power-2-scales",
                  "--no-quant-weight-2d"]).linear
-    assert not lin.fp8.pow2_scale and not lin.weight_2d
+    assert not lin.fp8.power_of_two and not lin.weight_2d
     lin = quant(["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len",
                  "16", "--fp8-amax-compute-algo", "max"]).linear
     assert (lin.fp8.amax_history_len, lin.fp8.amax_compute_algo) == (16, "max")
@@ -132,13 +133,17 @@ def test_fp8_mxfp8_recipe_is_the_mxfp8_path_with_tes_scale_rule():
     q = quant(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"])
     same = quant(["--quant-scheme", "linear_mxfp8", "--mx-grad-format", "e5m2",
                   "--mx-scale-mode", "rceil"])
-    assert q.scheme == "linear_mxfp8" and q.linear == same.linear
-    assert q.linear.scale_mode == "rceil" and q.linear.dgrad.a == "mxfp8_e5m2"
+    assert q.scheme == "linear_mxfp8"
+    # The site carries the run's FP8 settings (--fp8-format/--fp8-recipe as given); they act on
+    # FP8 operands only, and an MXFP8 site has none: everything else is the same config.
+    assert not any(f.startswith("fp8_") for f in q.linear.formats)
+    assert q.linear.replace(fp8=same.linear.fp8) == same.linear
+    assert q.linear.mx.scale_mode == "rceil" and q.linear.dgrad.a == "mxfp8_e5m2"
 
 
 def test_fp8_attention_uses_current_scaling():
     q = quant(["--quant-scheme", "FA_linear_fp8", "--fp8-recipe", "delayed"])
-    assert q.linear.fp8.recipe == "delayed" and q.attn_qk.fp8.recipe == "tensorwise"
+    assert q.linear.fp8.scaling == "delayed" and q.attn_qk.fp8.scaling == "tensorwise"
     assert any("current (tensorwise) scaling" in note for note in q.notes)
 
 
@@ -188,9 +193,9 @@ def test_recipe_file_resolves_per_module_path(tmp_path):
     q = quant(["--quant-recipe-file", write(tmp_path, RECIPE)])
     fp4 = q.rules.configs["fp4"]
     assert fp4.fprop == fp4.dgrad == fp4.wgrad == OperandFormats("nvfp4", "nvfp4")
-    assert fp4.rht_gemms == ("wgrad",) and fp4.weight_2d and fp4.stochastic == {"dgrad.a", "wgrad.b"}
+    assert fp4.rht.gemms == ("wgrad",) and fp4.weight_2d and fp4.stochastic == {"dgrad.a", "wgrad.b"}
     fp8 = q.rules.configs["fp8"]
-    assert fp8.dgrad == OperandFormats("fp8_e5m2", "fp8_e4m3") and fp8.fp8.recipe == "blockwise"
+    assert fp8.dgrad == OperandFormats("fp8_e5m2", "fp8_e4m3") and fp8.fp8.scaling == "blockwise"
     assert not q.for_site("linear", 8, "decoder.layers.7.mlp.linear_fc1").enabled
     assert q.for_site("linear", 2, "decoder.layers.1.mlp.linear_fc2") == fp8
     assert q.for_site("linear", 2, "decoder.layers.1.mlp.linear_fc1") == fp4
@@ -247,13 +252,13 @@ def test_recipe_file_contradicting_flags(tmp_path):
 
 
 def test_the_run_is_labelled_by_what_chose_its_formats(tmp_path):
-    """Capture directories, run files and reports use args.quant_scheme: the scheme the --fp8-*
-    flags imply, or the recipe's name, never a bf16 that was not run."""
+    """Capture directories, run files and reports use the run label (args.quant_config.label):
+    the scheme the --fp8-* flags imply, or the recipe's name, never a bf16 that was not run."""
     def label(extra):
         args = parse_args(TINY_MOCK_ARGS + ["--train-iters", "2"] + extra)
         args.world_size = 1
         args = validate_args(args, check_paths=False)
-        return args.quant_scheme, args.quant_scheme_source
+        return args.quant_config.label, args.quant_config.source
 
     assert label(["--fp8-format", "hybrid"]) == ("linear_fp8", "--fp8-format")
     assert label(["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"]) == ("linear_mxfp8",

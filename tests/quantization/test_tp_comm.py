@@ -8,7 +8,6 @@ layer must keep only its input shard for backward ([s/tp, b, h]), not the gather
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -30,7 +29,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats, SiteState, quantized_linear
+from megatron.quantization.config import MatmulQuantConfig, OperandFormats
+from megatron.quantization.gemm import SiteState, quantized_linear
 from megatron.quantization.layers import QuantColumnParallelLinear, QuantRowParallelLinear
 from megatron.quantization.observers import GemmSite
 from megatron.training.arguments import parse_args, validate_args

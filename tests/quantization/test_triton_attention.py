@@ -79,13 +79,14 @@ def case_name(shape, fmts, causal, inputs, dtype_name):
 # ---------------------------------------------------------------------------------------------
 
 def _configs(name):
-    from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats
+    from megatron.quantization.config import MatmulQuantConfig, MxSettings, OperandFormats
     p, p_rows, ds, ds_rows, operands, grads, qk_mode, pv_mode = FORMATS[name]
     qk = MatmulQuantConfig(fprop=OperandFormats(operands, operands),
                            dgrad=OperandFormats(ds, operands),
-                           wgrad=OperandFormats(operands, ds_rows), scale_mode=qk_mode)
+                           wgrad=OperandFormats(operands, ds_rows),
+                           mx=MxSettings(scale_mode=qk_mode))
     pv = MatmulQuantConfig(fprop=OperandFormats(p, operands), dgrad=OperandFormats(grads, operands),
-                           wgrad=OperandFormats(p_rows, grads), scale_mode=pv_mode)
+                           wgrad=OperandFormats(p_rows, grads), mx=MxSettings(scale_mode=pv_mode))
     return qk, pv
 
 
@@ -135,6 +136,7 @@ def _chunked(inputs, scale, causal, sq, qk_cfg, pv_cfg, chunk_rows=64):
     from megatron.core.transformer.utils import attention_mask_func
     from megatron.quantization import attention as attention_module
     from megatron.quantization.attention import QuantDotProductAttention
+    from megatron.quantization.config import AttentionSettings
     from megatron.quantization.gemm import SiteState
     from megatron.quantization.observers import GemmSite
 
@@ -146,7 +148,7 @@ def _chunked(inputs, scale, causal, sq, qk_cfg, pv_cfg, chunk_rows=64):
         attn_mask_type=AttnMaskType.causal, scaled_masked_softmax_fusion=False,
         mask_func=attention_mask_func, softmax_in_fp32=True, scale=None)
     module.softmax_scale = scale
-    module.chunk_rows = chunk_rows
+    module.attention = AttentionSettings(chunk_rows=chunk_rows)
     for name, cfg in (("qk", qk_cfg), ("pv", pv_cfg)):
         setattr(module, f"{name}_site", GemmSite(f"attn.{name}", f"attn_{name}", 1, cfg,
                                                  SiteState(f"attn.{name}", cfg)))
@@ -304,7 +306,8 @@ def autograd_case(dtype_name):
 def supported_cases():
     """unsupported_reason for calls the kernels must reject or accept."""
     import torch
-    from megatron.quantization.gemm import Fp8Settings, MatmulQuantConfig, OperandFormats
+    from megatron.quantization.config import (
+        Fp8Settings, HiFP8Settings, MatmulQuantConfig, MxSettings, OperandFormats)
     from megatron.quantization.kernels.attention import supported, unsupported_reason
     mx, _ = _configs("mxfp8")
     none = MatmulQuantConfig()
@@ -318,18 +321,19 @@ def supported_cases():
     calls = {
         "mxfp8": (mx, mx, bf16, 128, 128, {}),
         "none": (none, none, f32, 64, 64, {}),
-        "mxfp4 rceil": (cfg(("mxfp4",) * 2, ("mxfp4",) * 2, ("mxfp4",) * 2, scale_mode="rceil"),
-                        mx, bf16, 128, 128, {}),
+        "mxfp4 rceil": (cfg(("mxfp4",) * 2, ("mxfp4",) * 2, ("mxfp4",) * 2,
+                            mx=MxSettings(scale_mode="rceil")), mx, bf16, 128, 128, {}),
         "hifp8 outside only": (cfg(fprop=("hifp8", "hifp8")), mx, bf16, 64, 64, {}),
         "stochastic dO outside": (mx, cfg(stochastic={"dgrad.a"}, dgrad=("none", "mxfp8")),
                                   bf16, 64, 64, {}),
         # rejected:
         "nvfp4 P": (mx, cfg(fprop=("nvfp4", "mxfp8")), bf16, 64, 64, {}),
-        "fp8 tensorwise dS": (cfg(dgrad=("fp8_e5m2", "mxfp8")), mx, bf16, 64, 64, {}),
+        "fp8 tensorwise dS": (cfg(dgrad=("fp8_e5m2", "mxfp8"),
+                                  fp8=Fp8Settings(recipe="tensorwise")), mx, bf16, 64, 64, {}),
         "fp8 delayed P rows": (mx, cfg(wgrad=("fp8_e4m3", "mxfp8"),
                                        fp8=Fp8Settings(recipe="delayed")), bf16, 64, 64, {}),
-        "hifp8 dS rows": (cfg(wgrad=("mxfp8", "hifp8"), hifp8_scaling="tensor"), mx, bf16, 64,
-                          64, {}),
+        "hifp8 dS rows": (cfg(wgrad=("mxfp8", "hifp8"), hifp8=HiFP8Settings(scaling="tensor")),
+                          mx, bf16, 64, 64, {}),
         "hifp8 P unscaled": (mx, cfg(fprop=("hifp8", "mxfp8")), bf16, 64, 64, {}),
         "stochastic P": (mx, cfg(stochastic={"fprop.a"}), bf16, 64, 64, {}),
         "stochastic dS": (cfg(stochastic={"wgrad.b"}), mx, bf16, 64, 64, {}),

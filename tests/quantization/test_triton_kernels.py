@@ -3,7 +3,8 @@ are bit for bit the eager fake_quantize.
 
 The kernels run under Triton's CPU interpreter. TRITON_INTERPRET must be set before triton is
 first imported, and must not reach the other test modules, so the comparisons run in one
-subprocess (this file run as a script, `python tests/test_triton_kernels.py`), which prints
+subprocess (this file run as a script, `python tests/quantization/test_triton_kernels.py`),
+which prints
 one JSON line: for each case, None when the kernel and eager agree on every bit (NaN with NaN,
 whatever the payload), else a description of the first mismatches. The tests below read it.
 The dispatch checks that need no kernel run in this process.
@@ -12,8 +13,6 @@ The dispatch checks that need no kernel run in this process.
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -108,30 +107,27 @@ def _mismatch(kernel: torch.Tensor, eager: torch.Tensor):
 
 def run_cases() -> dict:
     from megatron.quantization import kernels
-    from megatron.quantization.formats import fake_quantize, set_kernels
+    from megatron.quantization.dispatch import fake_quantize
 
-    from megatron.quantization.formats.mx import _mx_fake_quantize
+    from megatron.quantization.formats.mx import mx_fake_quantize
     from megatron.quantization.kernels.mx import mx_fake_quantize_triton
 
     calls = []
-    original = kernels.fake_quantize
+    original = kernels.triton_fake_quantize
 
-    def counted(*args):
-        calls.append(args[1])
-        return original(*args)
-    kernels.fake_quantize = counted
+    def counted(x, call, noise):
+        calls.append(call.fmt)
+        return original(x, call, noise)
+    kernels.triton_fake_quantize = counted
 
     def compare(x, fmt, axis=-1, mode="floor", seed=None, **options):
         if seed is not None:
             options["generator"] = torch.Generator().manual_seed(seed)
-        set_kernels("eager")
-        eager = fake_quantize(x, fmt, axis, mode, **options)
+        eager = fake_quantize(x, fmt, axis, mode, kernels="eager", **options)
         if seed is not None:
             options["generator"] = torch.Generator().manual_seed(seed)
-        set_kernels("triton")
         before = len(calls)
-        kernel = fake_quantize(x, fmt, axis, mode, **options)
-        set_kernels("auto")
+        kernel = fake_quantize(x, fmt, axis, mode, kernels="triton", **options)
         if len(calls) != before + 1:
             return "the Triton kernel was not called"
         return _mismatch(kernel, eager)
@@ -173,7 +169,7 @@ def run_cases() -> dict:
                     xd = x.to(dtype)
                     results[f"stochastic zeros {name} {fmt} {mode} {dname}"] = _mismatch(
                         mx_fake_quantize_triton(xd, fmt, 1, mode, noise),
-                        _mx_fake_quantize(xd, fmt, 1, mode, noise))
+                        mx_fake_quantize(xd, fmt, 1, mode, noise))
     # More blocks than one program takes (partial last group), a non-contiguous input, a
     # 1-D tensor shorter than a block, a 4-D tensor.
     results["many blocks"] = compare(wide_random((3, 700, 65), seed=2), "mxfp8_e4m3", 1,
@@ -195,7 +191,7 @@ def run_cases() -> dict:
                                     1.1875, -0.0, 3e38])])
     # NVFP4 (1-D blocks of 16): its own and imposed tensor amax, NaN/Inf tensors (all NaN),
     # tiny tensors (subnormal scales), stochastic rounding.
-    from megatron.quantization.formats.nvfp4 import _nvfp4_fake_quantize
+    from megatron.quantization.formats.nvfp4 import nvfp4_fake_quantize
     from megatron.quantization.kernels.nvfp4 import nvfp4_fake_quantize_triton
     finite_rows = special[[0, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
     nv_inputs = {"random3d": random3d, "specials": special, "finite specials": finite_rows,
@@ -213,7 +209,7 @@ def run_cases() -> dict:
             noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(12))
             noise.view(-1)[::3] = 0.0
             results[f"nvfp4 stochastic zeros {name} {dname}"] = _mismatch(
-                nvfp4_fake_quantize_triton(xd, 0, noise), _nvfp4_fake_quantize(xd, 0, False,
+                nvfp4_fake_quantize_triton(xd, 0, noise), nvfp4_fake_quantize(xd, 0, False,
                                                                                 noise, None))
     for saturate in (False, True):
         results[f"hifp8 every bf16 saturate={saturate}"] = compare(
@@ -275,34 +271,46 @@ def test_mx_kernel_layouts(kernel_results, case):
 
 
 @pytest.fixture
-def kernel_mode(monkeypatch):
-    from megatron.quantization import formats
+def no_interpreter(monkeypatch):
+    """This process without Triton's interpreter: the kernels cannot run on CPU tensors."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    yield formats
-    formats.set_kernels("auto")
 
 
-def test_kernel_mode_setting(kernel_mode):
-    formats = kernel_mode
-    assert formats.kernels_mode() == "auto" and not formats.compile_enabled()
-    formats.set_compile(True)
-    assert formats.kernels_mode() == "compile" and formats.compile_enabled()
-    formats.set_compile(False)
-    assert formats.kernels_mode() == "auto"
-    with pytest.raises(ValueError, match="unknown kernel mode"):
-        formats.set_kernels("cuda")
+def test_kernel_mode_is_an_explicit_argument(no_interpreter):
+    """No process-global mode: fake_quantize and a model's BackendSettings default to "auto";
+    "compile" and "eager" are taken as asked, "auto" runs CPU tensors eagerly; an unknown mode
+    is an error naming the valid ones."""
+    import inspect
+
+    from megatron.quantization import dispatch, formats
+    from megatron.quantization.config import KERNEL_MODES, BackendSettings
+    assert KERNEL_MODES == ("auto", "triton", "compile", "eager")
+    assert inspect.signature(dispatch.fake_quantize).parameters["kernels"].default == "auto"
+    assert BackendSettings().kernels == "auto"
+    x = torch.ones(4, 32)
+    call = formats.prepare_call(x, "mxfp8")
+    assert [dispatch.quantize_backend(x, call, mode) for mode in ("auto", "compile", "eager")] \
+        == ["eager", "compile", "eager"]
+    assert dispatch.check_kernel_mode("triton") == "triton"
+    with pytest.raises(ValueError, match="unknown kernel mode 'cuda'; valid: auto, triton, "
+                                         "compile, eager"):
+        dispatch.check_kernel_mode("cuda")
+    with pytest.raises(ValueError, match="unknown kernel mode 'cuda'"):
+        dispatch.fake_quantize(x, "mxfp8", kernels="cuda")
+    with pytest.raises(ValueError, match="--quant-kernels 'cuda': not one of auto, triton, "
+                                         "compile, eager"):
+        BackendSettings(kernels="cuda")
 
 
-def test_auto_mode_on_cpu_is_eager(kernel_mode, monkeypatch):
-    formats = kernel_mode
+def test_auto_mode_on_cpu_is_eager(no_interpreter, monkeypatch):
     from megatron.quantization import kernels
-    monkeypatch.setattr(kernels, "fake_quantize",
+    from megatron.quantization.dispatch import fake_quantize
+    monkeypatch.setattr(kernels, "triton_fake_quantize",
                         lambda *a: pytest.fail("the kernel ran on a CPU tensor in auto mode"))
     x = wide_random((4, 64), seed=6)
-    formats.set_kernels("eager")
-    eager = formats.fake_quantize(x, "mxfp8")
-    formats.set_kernels("auto")
-    assert torch.equal(formats.fake_quantize(x, "mxfp8"), eager)
+    eager = fake_quantize(x, "mxfp8", kernels="eager")
+    assert torch.equal(fake_quantize(x, "mxfp8", kernels="auto"), eager)
+    assert torch.equal(fake_quantize(x, "mxfp8"), eager)        # "auto" is the default
 
 
 @pytest.mark.parametrize("fmt, options, dtype, message", [
@@ -313,40 +321,39 @@ def test_auto_mode_on_cpu_is_eager(kernel_mode, monkeypatch):
     ("hifp8", {}, torch.float64, "dtype torch.float64"),
     ("mxfp8", {}, torch.float32, "a tensor on cpu"),
 ])
-def test_triton_mode_names_what_it_does_not_cover(kernel_mode, fmt, options, dtype, message):
-    formats = kernel_mode
-    formats.set_kernels("triton")
+def test_triton_mode_names_what_it_does_not_cover(no_interpreter, fmt, options, dtype, message):
+    from megatron.quantization.dispatch import fake_quantize
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        formats.fake_quantize(torch.ones(4, 32, dtype=dtype), fmt, **options)
+        fake_quantize(torch.ones(4, 32, dtype=dtype), fmt, kernels="triton", **options)
+
+
+MINIMAL_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "5",
+                "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                "--vocab-size", "100"]
 
 
 @pytest.mark.parametrize("argv, mode", [
     ([], "auto"), (["--quant-kernels", "triton"], "triton"),
-    (["--quant-kernels", "eager"], "eager"), (["--quant-compile"], "compile"),
-    (["--quant-kernels", "compile", "--quant-compile"], "compile"),
+    (["--quant-kernels", "eager"], "eager"), (["--quant-kernels", "compile"], "compile"),
 ])
 def test_quant_kernels_flag(argv, mode):
+    """The flag sets the kernel mode of the run's QuantConfig (its sites' runtime)."""
     from megatron.training.arguments import parse_args, validate_args
-    minimal = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-               "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "5",
-               "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-               "--vocab-size", "100"]
-    args = parse_args(minimal + argv)
+    args = parse_args(MINIMAL_ARGS + argv)
     args.world_size = 1
     args = validate_args(args, check_paths=False)
-    assert args.quant_kernels == mode and args.quant_compile == (mode == "compile")
+    assert args.quant_kernels == mode and args.quant_config.backend.kernels == mode
 
 
-def test_quant_compile_contradicting_quant_kernels_is_an_error():
-    from megatron.training.arguments import ConfigError, parse_args, validate_args
-    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
-                       "4", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters",
-                       "5", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
-                       "NullTokenizer", "--vocab-size", "100", "--quant-compile",
-                       "--quant-kernels", "eager"])
-    args.world_size = 1
-    with pytest.raises(ConfigError, match="contradicts --quant-kernels eager"):
-        validate_args(args, check_paths=False)
+def test_an_unknown_quant_kernels_value_is_an_error(capsys):
+    from megatron.quantization.config import SettingError, settings_from_flags
+    from megatron.training.arguments import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(MINIMAL_ARGS + ["--quant-kernels", "cuda"])
+    assert "invalid choice: 'cuda'" in capsys.readouterr().err
+    with pytest.raises(SettingError, match="'cuda'.*'auto', 'triton', 'compile', 'eager'"):
+        settings_from_flags(["--quant-kernels", "cuda"])
 
 
 if __name__ == "__main__":

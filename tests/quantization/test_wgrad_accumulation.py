@@ -15,7 +15,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 import pretrain_gpt
 from megatron.quantization.formats import fake_quantize
-from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats, SiteState
+from megatron.quantization.config import MatmulQuantConfig, OperandFormats
+from megatron.quantization.gemm import SiteState
 from megatron.quantization.layers import QuantColumnParallelLinear
 from megatron.quantization.observers import GemmSite
 from megatron.training.training import pretrain

@@ -11,7 +11,7 @@ import pytest
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture import progress
 
-from conftest import REPO_ROOT, child_env
+from conftest import child_env
 
 
 def _line(file_name, nbytes, **stats):

@@ -14,11 +14,12 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import pretrain_gpt
-from megatron.quantization.gemm import Fp8Settings, MatmulQuantConfig, quantize_operand
+from megatron.quantization.config import Fp8Settings, MatmulQuantConfig
+from megatron.quantization.gemm import format_options, quantize_operand
 from megatron.tensor_capture.format import short_module_name
 from megatron.tensor_capture.load import load_record, read_manifest
 from megatron.tensor_capture.replay import (
-    operand_config, operand_keywords, operand_metadata, quantize_options, requantize)
+    operand_config, operand_keywords, operand_metadata, requantize)
 from megatron.tensor_capture.telemetry import site_label
 from megatron.training.training import pretrain
 
@@ -185,17 +186,23 @@ def _expected_telemetry(entries):
     return expected
 
 
-@pytest.mark.parametrize("run", ["nvfp4_run", "fp8_run"])
-def test_telemetry_equals_the_capture_of_the_same_tensors(run, request):
-    entries, scalars = request.getfixturevalue(run)
-    expected = _expected_telemetry(entries)
+def assert_telemetry_equals(expected, scalars) -> int:
+    """Every expected {(iteration, site, operand): {metric: value}} equals the logged scalar
+    quant/<site>/<operand>/<metric> (TensorBoard stores float32); returns how many."""
     checked = 0
     for (iteration, site, operand), values in expected.items():
         for metric, value in values.items():
             got = scalars[f"quant/{site}/{operand}/{metric}"][iteration]
             assert got == pytest.approx(value, rel=2e-6, abs=1e-5), (site, operand, metric)
             checked += 1
-    assert checked > 100
+    return checked
+
+
+@pytest.mark.parametrize("run", ["nvfp4_run", "fp8_run"])
+def test_telemetry_equals_the_capture_of_the_same_tensors(run, request):
+    entries, scalars = request.getfixturevalue(run)
+    expected = _expected_telemetry(entries)
+    assert assert_telemetry_equals(expected, scalars) > 100
     if run == "nvfp4_run":
         assert "quant/worst/block_scale_zero_pct" in scalars
         # the BF16 last layer reports amax only
@@ -224,10 +231,11 @@ def test_replay_config_round_trip():
     """The config rebuilt from metadata quantizes like the site config it describes."""
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(48, 160, generator=g) * 0.02).bfloat16()
-    for fp8 in (Fp8Settings("tensorwise", margin=1), Fp8Settings("blockwise", pow2_scale=True)):
+    for fp8 in (Fp8Settings(recipe="tensorwise", margin=1),
+                Fp8Settings(recipe="blockwise", pow2_scale=True)):
         config = MatmulQuantConfig(weight_2d=True, fp8=fp8)
         for fmt, axis in (("nvfp4", 1), ("fp8_e4m3", 0)):
-            options = quantize_options(config, fmt, 2, weight=True)
+            options = format_options(config, fmt, 2, weight=True)
             meta = dict(operand_metadata(config, fmt, w, options, {"weight": True}),
                         format=fmt, axis=axis, scale_mode="floor")
             q = quantize_operand(w, fmt, axis, config, weight=True)
@@ -236,21 +244,23 @@ def test_replay_config_round_trip():
 
 def test_capture_size_estimate_counts_the_scales():
     """Full-mode records of NVFP4 / FP8-blockwise operands also hold their float32 scales."""
-    from megatron.quantization.gemm import OperandFormats
+    from megatron.quantization.config import OperandFormats
     from megatron.quantization.observers import GemmSite
     from megatron.tensor_capture.estimate import SiteShape, scale_bytes
     from megatron.tensor_capture.records import site_info
 
     for fmt, recipe, per_element in (("nvfp4", "tensorwise", 4 / 16),
                                      ("fp8_e4m3", "blockwise", 4 / 128)):
-        config = MatmulQuantConfig(fprop=OperandFormats(fmt, fmt), fp8=Fp8Settings(recipe))
+        config = MatmulQuantConfig(fprop=OperandFormats(fmt, fmt),
+                                   fp8=Fp8Settings(recipe=recipe))
         site = GemmSite("decoder.layers.0.mlp.linear_fc1", "linear", 1, config)
         shape = SiteShape(site_info(site), config, {"...": 256, "tokens": 256,
                                                     "in_features": 128, "out_features": 384})
         got = {role.tensor_name: scales for role, _, _, scales in shape.records_with_scales()}
         assert got["input"] == 256 * 128 * per_element and got["weight"] == 384 * 128 * per_element
         assert got["output"] == got["grad_output"] == 0          # results, unquantized dgrad
-    assert scale_bytes(MatmulQuantConfig(), "fp8_e5m2", 1000) == 4     # one per-tensor scale
+    tensorwise = MatmulQuantConfig(fp8=Fp8Settings(recipe="tensorwise"))
+    assert scale_bytes(tensorwise, "fp8_e5m2", 1000) == 4     # one per-tensor scale
     assert scale_bytes(MatmulQuantConfig(), "mxfp8_e4m3", 1000) == 0
 
 

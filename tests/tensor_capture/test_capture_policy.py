@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from megatron.quantization.formats import fake_quantize
-from megatron.quantization.gemm import MatmulQuantConfig, OperandFormats, quantized_linear
-from megatron.quantization.observers import (
-    GemmSite, observer_for, register_observer, unregister_observer)
+from megatron.quantization.config import MatmulQuantConfig, OperandFormats
+from megatron.quantization.gemm import SiteState, quantized_linear
+from megatron.quantization.observers import GemmSite, observer_for
+from megatron.quantization.runtime import QuantRuntime
 from megatron.tensor_capture import format as naming
 from megatron.tensor_capture.hooks import CaptureObserver
 from megatron.tensor_capture.policy import (
@@ -45,7 +46,8 @@ class TestArguments:
         args = validated(["--save-tensors"], monkeypatch)
         config = args.capture_config
         assert config.layers is None and config.name_filter is None
-        assert config.directory == os.path.join("./enhanced_tensor_logs", args.quant_scheme)
+        assert config.directory == os.path.join("./enhanced_tensor_logs",
+                                                args.quant_config.label)
         assert (config.queue_records, config.queue_bytes) == (256, 1 << 30)
 
     def test_environment_seeds_defaults_and_flags_win(self, monkeypatch):
@@ -157,10 +159,12 @@ def test_backward_keeps_the_micro_batch_of_its_forward():
     """Pipeline order: forward mb0, forward mb1, backward mb0, backward mb1."""
     config = MatmulQuantConfig(fprop=OperandFormats("mxfp8", "mxfp8"),
                                dgrad=OperandFormats("mxfp8", "mxfp8"))
-    site = GemmSite("decoder.layers.0.mlp.linear_fc1", "linear", 1, config)
+    runtime = QuantRuntime()
+    path = "decoder.layers.0.mlp.linear_fc1"
+    site = GemmSite(path, "linear", 1, config, SiteState(path, config, runtime))
     recorder = FakeRecorder()
     observer = CaptureObserver(CapturePolicy(micro_batches=2), recorder)
-    register_observer(observer)
+    runtime.add_observer(observer)
     try:
         observer.begin_iteration(5)
         weight = torch.randn(64, 32, requires_grad=True)
@@ -175,7 +179,7 @@ def test_backward_keeps_the_micro_batch_of_its_forward():
         observer.end_iteration()
         assert observer_for(site) is None      # outside a captured iteration: declined
     finally:
-        unregister_observer(observer)
+        runtime.remove_observer(observer)
     by_mb = {mb: [c for c in recorder.calls if c[2] == mb] for mb in (0, 1)}
     for mb, calls in by_mb.items():
         # wgrad runs unquantized here, so it adds no re-quantized copies.

@@ -120,6 +120,10 @@ def test_drain_timeout_abandons_and_reports(tmp_path, monkeypatch):
     assert not w.close(timeout=0.2)
     assert "did not finish within" in w.error and w.dropped == 2
     release.set()
+    # Its owner closes it for good (no exit hook does): the record in flight finishes, the
+    # thread stops and the manifest is closed.
+    assert w.close(timeout=60)
+    assert w._manifest is None and not w._thread.is_alive() and w.dropped == 2
 
 
 def test_buffers_return_to_the_pool(tmp_path):

@@ -13,7 +13,8 @@ import torch
 
 from megatron.quantization.formats import (
     fake_quantize, hifp8_scale_exponent, hifp8_scaled_fake_quantize)
-from megatron.tensor_capture.stats import operand_statistics, quant_error
+from megatron.tensor_capture.operand_sums import operand_statistics
+from megatron.tensor_capture.stats import quant_error
 from megatron.tensor_capture.telemetry import metrics
 
 # (largest element magnitude, exponent of its top binade) of the MX element formats (OCP MX

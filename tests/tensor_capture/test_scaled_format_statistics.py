@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megatron.quantization.formats import fake_quantize
-from megatron.tensor_capture.stats import operand_statistics, quant_error
+from megatron.tensor_capture.operand_sums import operand_statistics
+from megatron.tensor_capture.stats import quant_error
 from megatron.tensor_capture.telemetry import metrics
 
 F32 = np.float32

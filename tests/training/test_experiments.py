@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron.quantization import schemes as quant_schemes
+from megatron.quantization import config as quant_schemes
 from megatron.training import experiments as ex
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.experiments import cli, launchers

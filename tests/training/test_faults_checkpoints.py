@@ -27,15 +27,7 @@ from megatron.training.run_lock import LOCK_FILE
 from conftest import REPO_ROOT, TINY_MOCK_ARGS, child_env
 from fakedisk import FakeDisk
 
-ARGS = TINY_MOCK_ARGS + ["--train-iters", "2"]
-MODEL_BUILT = "number of parameters"      # printed once the model exists
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("error: "), lines
-    return lines[0]
+from test_faults import ARGS, MODEL_BUILT, one_error_line
 
 
 def train(capsys, *argv):

@@ -24,8 +24,7 @@ from megatron.training.errors import ConfigError
 from megatron.training.tokenizer import HuggingFaceTokenizer, Llama3Tokenizer, NullTokenizer
 
 from conftest import TINY_MOCK_ARGS
-
-MODEL_BUILT = "number of parameters"      # printed once the model exists
+from test_faults import MODEL_BUILT, dataset  # noqa: F401 (a fixture over this corpus)
 DOCS = 300
 REBUILD = "; rebuild it with tools/preprocess_data.py"
 
@@ -59,12 +58,6 @@ def corpus(tmp_path_factory):
     return build_dataset(str(tmp_path_factory.mktemp("data") / "corpus_text_document"), docs)
 
 
-@pytest.fixture
-def dataset(corpus, tmp_path):
-    prefix = str(tmp_path / "corpus_text_document")
-    for ext in (".bin", ".idx"):
-        shutil.copy(corpus + ext, prefix + ext)
-    return prefix
 
 
 def train_on(prefix, capsys, vocab=512, iters=1):

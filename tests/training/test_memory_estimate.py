@@ -102,15 +102,16 @@ def test_quantization_temporaries_on_meta_equal_the_real_ones(fmt):
     """A quantized linear with stochastic rounding (a float32 noise tensor per rounded
     operand) and the Hadamard transform on wgrad (float32 rotated copies, the 100 tokens
     zero-padded to 128): the meta device creates the same temporaries as a CPU run."""
-    from megatron.quantization.gemm import (
-        MatmulQuantConfig, OperandFormats, SiteState, quantized_linear)
+    from megatron.quantization.config import (
+        Fp8Settings, MatmulQuantConfig, OperandFormats, RhtSettings)
+    from megatron.quantization.gemm import SiteState, quantized_linear
     from megatron.training.memory_estimate.kernels import (
         LargestTemporaryMode, stochastic_rounding_on_meta)
 
     config = MatmulQuantConfig(
         fprop=OperandFormats(fmt, fmt), dgrad=OperandFormats(fmt, fmt),
         wgrad=OperandFormats(fmt, fmt), stochastic=frozenset({"fprop.a", "dgrad.a", "wgrad.b"}),
-        rht_gemms=("wgrad",), rht_block=32, weight_2d=True)
+        rht=RhtSettings(("wgrad",), 32), weight_2d=True, fp8=Fp8Settings(recipe="tensorwise"))
 
     def temporaries(device):
         x = torch.randn(100, 256, dtype=torch.bfloat16, device=device, requires_grad=True)
@@ -144,6 +145,24 @@ def test_recompute_activations_equal_a_real_cpu_forward(world_size_one, layers, 
     assert est.activation_bytes_per_micro_batch == real_saved_bytes(args, layers)
     if "full" in recompute:       # backward re-creates whole layers
         assert est.recompute_bytes >= est.activation_bytes_per_layer > 0
+
+
+@pytest.mark.parametrize("kernels", ["triton", "compile"])
+def test_every_kernel_mode_is_estimated_as_eager_operands_and_the_gpu_attention_path(
+        world_size_one, kernels):
+    """On the meta device operands are quantized eagerly whatever --quant-kernels says (no
+    kernel runs there, and none raises or compiles); the attention still takes the path the
+    run's mode takes on a GPU: the fused kernels under triton (as under auto), the chunked
+    path under compile (as under eager), with the same bytes."""
+    def estimate(mode):
+        args = me.parse_estimate_args(TINY + MXFP8_PV + ["--quant-kernels", mode])
+        return me.estimate_memory(args)
+
+    est, like = estimate(kernels), estimate("auto" if kernels == "triton" else "eager")
+    assert est.activation_bytes_per_micro_batch == like.activation_bytes_per_micro_batch > 0
+    assert [n for n in est.notes if "quantized attention" in n] == \
+        [n.replace("--quant-kernels eager", f"--quant-kernels {kernels}") if kernels == "compile"
+         else n for n in like.notes if "quantized attention" in n]
 
 
 @pytest.mark.parametrize("kernels", ["eager", "auto"], ids=["chunked", "fused-kernels"])
@@ -226,8 +245,9 @@ def _batches(args):
 @contextlib.contextmanager
 def _after_one_training_step(flags, monkeypatch):
     """(DDP model, raw model, optimizer) after a real one-step CPU run of `flags` (weight
-    cache as the run sets it)."""
-    from megatron.quantization.gemm import set_weight_cache
+    cache as the run sets it: from the model's quantization config, dropped after the run's
+    optimizer steps)."""
+    from megatron.quantization.runtime import runtime_of
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
@@ -236,14 +256,17 @@ def _after_one_training_step(flags, monkeypatch):
     initialize_distributed(args)
     try:
         set_random_seeds(args.seed)
-        set_weight_cache(args.quant_weight_cache)
         args.padded_vocab_size = me.padded_vocab_size(args)
         ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
-        train_step(pretrain_gpt.forward_step, _batches(args), ddp_model, optimizer, scheduler,
-                   args)
-        yield ddp_model, raw_model, optimizer
+        runtime = runtime_of(raw_model)
+        runtime.watch_optimizer(optimizer)
+        try:
+            train_step(pretrain_gpt.forward_step, _batches(args), ddp_model, optimizer,
+                       scheduler, args)
+            yield ddp_model, raw_model, optimizer
+        finally:
+            runtime.close()
     finally:
-        set_weight_cache(True)
         destroy_distributed()
 
 
@@ -545,10 +568,9 @@ def test_fused_attention_kernels_make_no_score_chunks():
 def test_without_triton_here_the_estimate_measures_the_chunked_path(monkeypatch):
     """The kernels' coverage check needs triton where the estimate runs: without it the
     quantized attention is measured on the chunked path, and the report says why."""
-    from megatron.quantization import attention, kernels
+    from megatron.quantization import kernels
 
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
-    monkeypatch.setattr(attention, "triton_available", lambda: False)
     flags = TINY + MXFP8_PV + ["--num-layers", "2"]
     without = me.estimate_memory(me.parse_estimate_args(flags))
     monkeypatch.undo()
@@ -568,7 +590,7 @@ import test_memory_estimate as t
 # The module's own choice under --quant-kernels triton, for attention only: the fused kernels
 # on CPU tensors (under Triton's interpreter) where they cover the call; fake quantization
 # stays eager, as on the meta device.
-attention.kernels_mode = lambda: "triton"
+attention.QuantDotProductAttention.kernels = property(lambda self: "triton")
 fused_calls = []
 run_kernels = attention.QuantDotProductAttention._fused_quantized
 def counted(self, *args, **kwargs):

@@ -5,8 +5,8 @@ stop with one line."""
 import pytest
 
 import pretrain_gpt
-from megatron.quantization.observers import QuantizationCounter, register_observer, \
-    unregister_observer
+from megatron.quantization.observers import QuantizationCounter
+from megatron.quantization.runtime import runtimes
 from megatron.training.arguments import ConfigError, parse_args, validate_args
 from megatron.training.training import TrainingCallback, pretrain
 
@@ -22,13 +22,19 @@ class _CountFprop(TrainingCallback):
 
     def __init__(self):
         self.counter = QuantizationCounter()
+        self.runtimes = []
+
+    def on_train_start(self, model_chunks, iteration):
+        self.runtimes = runtimes(model_chunks)
 
     def on_iteration_start(self, iteration):
         if iteration == 1:
-            register_observer(self.counter)
+            for runtime in self.runtimes:
+                runtime.add_observer(self.counter)
 
     def on_iteration_end(self, iteration):
-        unregister_observer(self.counter)
+        for runtime in self.runtimes:
+            runtime.remove_observer(self.counter)
 
     def fprop_inputs(self):
         return self.counter.quantized[("linear", "fprop", "input", "mxfp8_e4m3")]
@@ -82,7 +88,7 @@ def test_bad_combinations(extra, message):
 
 def test_flash_attention_flag_is_accepted():
     args = validate_args(parse_args(QUANTIZED + ["--use-flash-attn"]), check_paths=False)
-    assert args.use_flash_attn and args.quant_config.attention_impl == "auto"
+    assert args.use_flash_attn and args.quant_config.backend.attention.impl == "auto"
 
 
 def test_overlapped_data_parallel_matches_one_process(tmp_path):

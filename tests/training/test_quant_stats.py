@@ -17,13 +17,14 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import pretrain_gpt
-from megatron.quantization.observers import register_observer, unregister_observer
+from megatron.quantization.runtime import observing
 from megatron.tensor_capture.format import short_module_name
 from megatron.tensor_capture.load import load_record, read_manifest
 from megatron.tensor_capture.telemetry import QuantTelemetry, site_label
 from megatron.training.training import pretrain
 
 from conftest import TINY_MOCK_ARGS
+from test_capture_new_formats import assert_telemetry_equals
 from test_attention_paths import _inputs, _module
 
 SCHEME = "FA_linear_mxfp4"
@@ -115,14 +116,7 @@ def test_telemetry_equals_the_capture_of_the_same_tensors(measured_run):
     expected = _expected(entries)
     assert {site for _, site, _ in expected} >= {"L2.linear_qkv", "L2.linear_fc1",
                                                  "L2.core_attention.qk", "L2.core_attention.pv"}
-    checked = 0
-    for (iteration, site, operand), values in expected.items():
-        for metric, value in values.items():
-            got = scalars[f"quant/{site}/{operand}/{metric}"][iteration]
-            # TensorBoard stores float32.
-            assert got == pytest.approx(value, rel=2e-6, abs=1e-5), (site, operand, metric)
-            checked += 1
-    assert checked > 400
+    assert assert_telemetry_equals(expected, scalars) > 400
     worst = max(v for (it, _, _), vals in expected.items() if it == 4
                 for k, v in vals.items() if k == "flushed_pct")
     assert scalars["quant/worst/flushed_pct"][4] >= worst - 1e-4
@@ -139,15 +133,13 @@ def test_chunked_attention_reports_what_the_full_scores_path_does(world_size_one
         module = _module(world_size_one, qk, pv, chunk_rows=chunk_rows or 64,
                          hifp8_scaling="tensor")
         if chunk_rows is None:
-            module.impl = "unfused"
-        telemetry = register_observer(QuantTelemetry({}))
-        try:
+            module.attention = module.attention.replace(impl="unfused")
+        telemetry = QuantTelemetry({})
+        with observing(module, telemetry):
             telemetry.begin()
             leaves = [t.clone().requires_grad_() for t in _inputs(72, 2, 4, 2, 32, torch.float32)]
             module(*leaves, None).sum().backward()
             results[chunk_rows] = telemetry.reduce()
-        finally:
-            unregister_observer(telemetry)
     chunked, whole = results[64], results[None]
     assert chunked.keys() == whole.keys() and len(chunked) == 12
     for key, values in whole.items():

@@ -10,13 +10,11 @@ from megatron.core.transformer.enums import AttnMaskType
 import pretrain_gpt
 from megatron.quantization import fake_quantize
 from megatron.quantization.attention import QuantDotProductAttention
-from megatron.quantization.observers import (
-    GemmSite,
-    QuantizationCounter,
-    register_observer,
-    unregister_observer,
-)
-from megatron.quantization.schemes import SCHEMES, SEED_SCHEMES, build_quant_config
+from megatron.quantization.config import SCHEMES, SEED_SCHEMES
+from megatron.quantization.gemm import SiteState
+from megatron.quantization.observers import GemmSite, QuantizationCounter
+from megatron.quantization.runtime import QuantRuntime, runtimes
+from megatron.quantization.schemes import quant_config
 from megatron.training.model import core_transformer_config_from_args
 from megatron.quantization.local_attention import LocalDotProductAttention, causal_mask
 from megatron.training.training import TrainingCallback, pretrain
@@ -25,16 +23,20 @@ from conftest import TINY_MOCK_ARGS
 
 
 class _Count(TrainingCallback):
-    """Counts quantized operands during training (registered for the whole run)."""
+    """Counts quantized operands during training (observes the model for the whole run)."""
 
     def __init__(self):
         self.counter = QuantizationCounter()
+        self.runtimes = []
 
     def on_train_start(self, model_chunks, iteration):
-        register_observer(self.counter)
+        self.runtimes = runtimes(model_chunks)
+        for runtime in self.runtimes:
+            runtime.add_observer(self.counter)
 
     def on_train_end(self, exit_reason):
-        unregister_observer(self.counter)
+        for runtime in self.runtimes:
+            runtime.remove_observer(self.counter)
 
 
 def train(extra, iters=2):
@@ -194,9 +196,12 @@ def test_grouped_attention_equals_megatron_core(world_size_one):
 def test_qk_and_pv_quantization_against_float64_reference(world_size_one):
     cfg = _config(world_size_one)
     module = _module(QuantDotProductAttention, cfg)
-    qcfg = build_quant_config("FA_mxfp8", 2, attn_pv_quant="hifp8")
-    module.qk_site = GemmSite("qk", "attn_qk", 1, qcfg.attn_qk)
-    module.pv_site = GemmSite("pv", "attn_pv", 1, qcfg.attn_pv)
+    qcfg = quant_config(["--quant-scheme", "FA_mxfp8", "--attn-pv-quant", "hifp8"], 2)
+    runtime = QuantRuntime()       # the two sites are observed together
+    module.qk_site = GemmSite("qk", "attn_qk", 1, qcfg.attn_qk,
+                              SiteState("qk", qcfg.attn_qk, runtime))
+    module.pv_site = GemmSite("pv", "attn_pv", 1, qcfg.attn_pv,
+                              SiteState("pv", qcfg.attn_pv, runtime))
     seen = {}
 
     def keep_probs(site, gemm, operand, hp, q, fmt, axis):
@@ -204,11 +209,11 @@ def test_qk_and_pv_quantization_against_float64_reference(world_size_one):
             seen["probs"] = hp.detach().clone()
 
     q, k, v = _attention_inputs(seed=1)
-    register_observer(keep_probs)
+    runtime.add_observer(keep_probs)
     try:
         out = module(q, k, v, None)
     finally:
-        unregister_observer(keep_probs)
+        runtime.remove_observer(keep_probs)
     # Reference: per head, Q and K quantized along the head dim, P along keys, V along keys.
     sq, b, heads, dim = q.shape
     groups = k.size(2)

@@ -6,14 +6,29 @@ import math
 import pytest
 
 import pretrain_gpt
-from megatron.quantization.observers import register_observer, unregister_observer
+from megatron.quantization.runtime import runtimes
 from megatron.training.arguments import ConfigError
 from megatron.training.training import TrainingCallback, pretrain
 
 from conftest import TINY_MOCK_ARGS
 
 
-class _Operands(TrainingCallback):
+class _Observing(TrainingCallback):
+    """A callback that observes the run's model (its GEMM sites) for the whole run."""
+
+    _runtimes = ()
+
+    def on_train_start(self, model_chunks, iteration):
+        self._runtimes = runtimes(model_chunks)
+        for runtime in self._runtimes:
+            runtime.add_observer(self)
+
+    def on_train_end(self, exit_reason):
+        for runtime in self._runtimes:
+            runtime.remove_observer(self)
+
+
+class _Operands(_Observing):
     """Records, per (layer, site kind, gemm, operand): the format and the extra keywords."""
 
     def __init__(self):
@@ -23,12 +38,6 @@ class _Operands(TrainingCallback):
         if q is not None:
             key = (site.layer_number, site.kind, site.name.rsplit(".", 1)[-1], gemm, operand)
             self.seen.setdefault(key, []).append((fmt, sorted(extra)))
-
-    def on_train_start(self, model_chunks, iteration):
-        register_observer(self)
-
-    def on_train_end(self, exit_reason):
-        unregister_observer(self)
 
 
 def train(extra, iters=4, callbacks=()):
@@ -88,7 +97,7 @@ def test_resume_with_delayed_scaling_is_bit_exact(tmp_path, capsys):
     assert tensorwise.losses[4] != straight.losses[4]
 
 
-class _Amaxes(TrainingCallback):
+class _Amaxes(_Observing):
     """The amax each delayed-scaled operand's scale came from, in call order, per operand."""
 
     def __init__(self):
@@ -98,12 +107,6 @@ class _Amaxes(TrainingCallback):
         if "amax" in extra:
             self.used.setdefault((site.name, gemm, operand), []).append(
                 (float(extra["amax"]), float(hp.detach().abs().max())))
-
-    def on_train_start(self, model_chunks, iteration):
-        register_observer(self)
-
-    def on_train_end(self, exit_reason):
-        unregister_observer(self)
 
 
 def test_delayed_scaling_starts_at_the_initial_scale_then_follows_the_history():
@@ -154,14 +157,10 @@ def test_recipe_file_run_and_a_file_that_matches_nothing(tmp_path):
         train(["--quant-recipe-file", str(path)], iters=1)
 
 
-def test_quant_compile_trains_the_recipes_exactly_as_eager():
-    """--quant-compile (torch.compile of fake_quantize) on the NVFP4 recipe (stochastic
+def test_quant_kernels_compile_trains_the_recipes_exactly_as_eager():
+    """--quant-kernels compile (torch.compile of fake_quantize) on the NVFP4 recipe (stochastic
     rounding, 16x16 weight tiles, RHT) and on delayed FP8: bit for bit the eager losses."""
-    from megatron.quantization.formats import set_compile
     for extra in (["--quant-recipe", "nvfp4"], ["--fp8-format", "hybrid", "--bf16"]):
-        eager = train(extra, iters=2)
-        try:
-            compiled = train(extra + ["--quant-compile"], iters=2)
-        finally:
-            set_compile(False)
+        eager = train(extra + ["--quant-kernels", "eager"], iters=2)
+        compiled = train(extra + ["--quant-kernels", "compile"], iters=2)
         assert compiled.losses == eager.losses, extra

@@ -9,6 +9,8 @@ import sys
 import pytest
 
 import pretrain_gpt
+from megatron.quantization.observers import QuantizationCounter
+from megatron.quantization.runtime import runtimes
 from megatron.training import checkpointing
 from megatron.training.arguments import ConfigError
 from megatron.training.corpora import ensure_embedded_dataset
@@ -162,3 +164,51 @@ def test_a_long_validation_reports_its_progress(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "validation: 1/3 batches (--eval-iters)" in out
     assert "validation: 2/3 batches (--eval-iters)" in out and "3/3 batches" not in out
+
+
+class _Ends(TrainingCallback):
+    """Observes the model's GEMMs from the start of training (and leaves the observer to the
+    run to remove); records the exit reasons it is ended with."""
+
+    def __init__(self):
+        self.counter = QuantizationCounter()
+        self.runtimes = []
+        self.ended = []
+
+    def on_train_start(self, model_chunks, iteration):
+        self.runtimes = runtimes(model_chunks)
+        for runtime in self.runtimes:
+            runtime.add_observer(self.counter)
+
+    def on_train_end(self, exit_reason):
+        self.ended.append(exit_reason)
+
+
+class _EndRaises(_Ends):
+    def on_train_end(self, exit_reason):
+        super().on_train_end(exit_reason)
+        raise ValueError("cannot finish either")
+
+
+class _RaiseAtIteration2(_Ends):
+    def on_iteration_start(self, iteration):
+        if iteration == 2:
+            raise RuntimeError("callback failed at iteration 2")
+
+
+def test_an_exception_in_the_loop_still_ends_every_callback(capsys):
+    """A run that raises inside the training loop ends every started callback with exit
+    reason "exception" and leaves no observer on the model's runtime; the run's own exception
+    propagates, also when a callback's on_train_end raises too (a warning line instead)."""
+    first, failing_end, raising = _Ends(), _EndRaises(), _RaiseAtIteration2()
+    with pytest.raises(RuntimeError, match="callback failed at iteration 2"):
+        run(TINY_MOCK_ARGS + ["--train-iters", "4", "--quant-scheme", "linear_mxfp8"],
+            callbacks=[first, failing_end, raising])
+    for cb in (first, failing_end, raising):
+        assert cb.ended == ["exception"], type(cb).__name__
+        # The observer watched iteration 1 and is gone from the model's runtime now.
+        assert len(cb.runtimes) == 1 and sum(cb.counter.quantized.values()) > 0
+        assert cb.runtimes[0].observers == []
+    out = capsys.readouterr().out.splitlines()
+    warnings = [line for line in out if line.startswith("warning:") and "_EndRaises" in line]
+    assert len(warnings) == 1 and "cannot finish either" in warnings[0], warnings

@@ -3,9 +3,9 @@ exact bit-level helpers (powers of two, compute dtypes, padding)."""
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Optional, Tuple
 
 import torch
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 FORMAT_NAMES = ("mxfp8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2",
                 "nvfp4", "fp8_e4m3", "fp8_e5m2", "hifp8", "bf16", "fp16", "none")
-_ALIASES = {"mxfp8": "mxfp8_e4m3"}
+_ALIASES = MappingProxyType({"mxfp8": "mxfp8_e4m3"})
 SCALE_MODES = ("floor", "rceil")
 
 MX_BLOCK_SIZE = 32
@@ -65,7 +65,7 @@ def _mx_info(name, emax, emin, mbits, max_normal):
                       min_subnormal=2.0 ** (emin - mbits), mantissa_bits=mbits)
 
 
-_INFO = {
+FORMAT_INFO = MappingProxyType({
     # E4M3 "fn": S.1111.111 is NaN, so the largest normal is 1.75 * 2**8.
     "mxfp8_e4m3": _mx_info("mxfp8_e4m3", emax=8, emin=-6, mbits=3, max_normal=448.0),
     "mxfp8_e5m2": _mx_info("mxfp8_e5m2", emax=15, emin=-14, mbits=2, max_normal=57344.0),
@@ -93,17 +93,17 @@ _INFO = {
     "fp16": FormatInfo(name="fp16", kind="float", emin_elem=-14, max_normal=65504.0,
                        min_normal=2.0 ** -14, min_subnormal=2.0 ** -24, mantissa_bits=10),
     "none": FormatInfo(name="none", kind="none"),
-}
+})
 
 # torch dtypes whose float32/bf16 casts round to the MX element formats exactly (RNE,
-# subnormals kept); see _round_elements_ for the saturation they may lack (P7, P8).
-_NATIVE_ELEMENT_DTYPES = {
+# subnormals kept); see round_elements_ for the saturation they may lack (P7, P8).
+NATIVE_ELEMENT_DTYPES = MappingProxyType({
     "mxfp8_e4m3": torch.float8_e4m3fn,
     "mxfp8_e5m2": torch.float8_e5m2,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
-}
-_PASS_THROUGH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+})
+PASS_THROUGH_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 
 
 def canonical_format(name: str) -> str:
@@ -116,16 +116,16 @@ def canonical_format(name: str) -> str:
 
 def format_info(fmt: str) -> FormatInfo:
     """The FormatInfo of a format name (aliases accepted)."""
-    return _INFO[canonical_format(fmt)]
+    return FORMAT_INFO[canonical_format(fmt)]
 
 
-def _check_scale_mode(scale_mode: str) -> None:
+def check_scale_mode(scale_mode: str) -> None:
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"unknown MX scale_mode {scale_mode!r}; valid modes: "
                          f"{', '.join(SCALE_MODES)}")
 
 
-def _check_tensor(x) -> None:
+def check_tensor(x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"fake_quantize expects a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -135,7 +135,7 @@ def _check_tensor(x) -> None:
                         f"{', '.join(str(d) for d in _SUPPORTED_DTYPES)}")
 
 
-def _normalize_axis(axis: int, ndim: int) -> int:
+def normalize_axis(axis: int, ndim: int) -> int:
     if isinstance(axis, bool):
         raise TypeError("axis must be an int, got bool")
     axis = operator.index(axis)
@@ -147,7 +147,7 @@ def _normalize_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
-def _check_saturate(fmt: str, saturate) -> bool:
+def check_saturate(fmt: str, saturate) -> bool:
     if fmt == "hifp8":
         if saturate not in (None, False, True):
             raise ValueError(f"saturate must be None, False or True, got {saturate!r}")
@@ -162,7 +162,7 @@ def _check_saturate(fmt: str, saturate) -> bool:
 # Exact powers of two and compute dtypes
 # --------------------------------------------------------------------------------------------
 
-def _compute_dtype(dtype: torch.dtype, native_bf16: bool = False) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype, native_bf16: bool = False) -> torch.dtype:
     """float64 stays float64; bf16 stays bf16 where the caller computes exactly in it;
     everything else computes in float32."""
     if dtype == torch.float64 or (native_bf16 and dtype == torch.bfloat16):
@@ -170,7 +170,7 @@ def _compute_dtype(dtype: torch.dtype, native_bf16: bool = False) -> torch.dtype
     return torch.float32
 
 
-def _bit_layout(dtype: torch.dtype):
+def bit_layout(dtype: torch.dtype):
     """(integer view dtype, mantissa bits, exponent bias, exponent-field maximum)."""
     if dtype == torch.float64:
         return torch.int64, 52, 1023, 0x7FF
@@ -179,7 +179,7 @@ def _bit_layout(dtype: torch.dtype):
     return torch.int32, 23, 127, 0xFF
 
 
-def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Exactly 2**exponent (float32 or float64) for integer exponents in [-127, 127], built
     from the bit pattern.
 
@@ -192,9 +192,9 @@ def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(e > -127, (e + 127) << 23, 0x00400000).view(torch.float32)
 
 
-def _to_compute(x: torch.Tensor, native_bf16: bool = False) -> Tuple[torch.Tensor, bool]:
+def to_compute(x: torch.Tensor, native_bf16: bool = False) -> Tuple[torch.Tensor, bool]:
     """x in its compute dtype, and whether the result is a private copy we may overwrite."""
-    cdtype = _compute_dtype(x.dtype, native_bf16)
+    cdtype = compute_dtype(x.dtype, native_bf16)
     if x.dtype == cdtype:
         return x, False
     return x.to(cdtype), True   # exact: every bf16/fp16 value is a float32 value
@@ -206,7 +206,7 @@ def _pad_axis(x: torch.Tensor, axis: int, pad: int) -> torch.Tensor:
     return F.pad(x, spec)
 
 
-def _block_view(t: torch.Tensor, axis: int, size: int):
+def block_view(t: torch.Tensor, axis: int, size: int):
     """(t zero-padded along `axis` to a multiple of `size`, viewed as [..., nblocks, size, ...];
     the padded length). The short tail becomes a block of its own (P14)."""
     pad = -t.shape[axis] % size
@@ -218,7 +218,7 @@ def _block_view(t: torch.Tensor, axis: int, size: int):
     return t.view(*shape[:axis], shape[axis] // size, size, *shape[axis + 1:]), pad
 
 
-def _device_table(tables: dict, key, device: torch.device) -> torch.Tensor:
+def device_table(tables: dict, key, device: torch.device) -> torch.Tensor:
     """tables[(key, device)], copied from the CPU table once per device (not once per call:
     on an accelerator a host-to-device copy each call would stall the step)."""
     if (key, device) not in tables:

@@ -3,12 +3,13 @@ nearest with ties to even, subnormals kept, finite overflow saturated."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import torch
 
 from megatron.quantization.formats.common import (
-    _NATIVE_ELEMENT_DTYPES, FormatInfo, _bit_layout)
+    NATIVE_ELEMENT_DTYPES, FormatInfo, bit_layout)
 
-def _round_to_grid_(a: torch.Tensor, emin: int, mbits: int) -> torch.Tensor:
+def round_to_grid_(a: torch.Tensor, emin: int, mbits: int) -> torch.Tensor:
     """Round `a` in place to nearest, ties to even, on the grid of a binary float format with
     `mbits` mantissa bits and smallest normal exponent `emin` (subnormals kept, no overflow
     handling).
@@ -18,7 +19,7 @@ def _round_to_grid_(a: torch.Tensor, emin: int, mbits: int) -> torch.Tensor:
     subnormals), and divide, round half-to-even (torch.round), multiply: all exact, since the
     spacing is a power of two and a / spacing < 2**(mbits + 2).
     """
-    int_dtype, mbits_fp, bias, field_max = _bit_layout(a.dtype)
+    int_dtype, mbits_fp, bias, field_max = bit_layout(a.dtype)
     spacing = a.view(int_dtype) & (field_max << mbits_fp)
     spacing.clamp_(min=(emin + bias) << mbits_fp)
     spacing.sub_(mbits << mbits_fp)
@@ -29,14 +30,16 @@ def _round_to_grid_(a: torch.Tensor, emin: int, mbits: int) -> torch.Tensor:
 def _round_to_element_grid_(a: torch.Tensor, info: FormatInfo) -> torch.Tensor:
     """MX element rounding in place: RNE with subnormals, finite overflow saturated to
     +-max_normal (P7, P8, P9)."""
-    _round_to_grid_(a, info.emin_elem, info.mantissa_bits)
+    round_to_grid_(a, info.emin_elem, info.mantissa_bits)
     return a.clamp_(-info.max_normal, info.max_normal)
 
 
 # Use torch's fp8 casts for E4M3/E5M2 element rounding (else the generic grid rounding).
-_NATIVE_FP8_CASTS = {torch.float32: True, torch.bfloat16: True}
-_ELEMENT_EXPONENT_BITS = {"mxfp8_e4m3": 4, "mxfp8_e5m2": 5, "fp8_e4m3": 4, "fp8_e5m2": 5}
-_ELEMENT_BIAS = {"mxfp8_e4m3": 7, "mxfp8_e5m2": 15, "fp8_e4m3": 7, "fp8_e5m2": 15}
+NATIVE_FP8_CASTS = MappingProxyType({torch.float32: True, torch.bfloat16: True})
+_ELEMENT_EXPONENT_BITS = MappingProxyType({"mxfp8_e4m3": 4, "mxfp8_e5m2": 5, "fp8_e4m3": 4,
+                                           "fp8_e5m2": 5})
+_ELEMENT_BIAS = MappingProxyType({"mxfp8_e4m3": 7, "mxfp8_e5m2": 15, "fp8_e4m3": 7,
+                                  "fp8_e5m2": 15})
 
 
 def _cast_saturates(dtype: torch.dtype, max_normal: float) -> bool:
@@ -45,9 +48,9 @@ def _cast_saturates(dtype: torch.dtype, max_normal: float) -> bool:
     return probe.to(dtype).float().abs().eq(max_normal).all().item()
 
 
-_SATURATING_CPU_CASTS = {dtype for dtype, max_normal in ((torch.float8_e4m3fn, 448.0),
-                                                          (torch.float8_e5m2, 57344.0))
-                         if _cast_saturates(dtype, max_normal)}
+_SATURATING_CPU_CASTS = frozenset(dtype for dtype, max_normal in ((torch.float8_e4m3fn, 448.0),
+                                                                   (torch.float8_e5m2, 57344.0))
+                                  if _cast_saturates(dtype, max_normal))
 
 
 def _decode_fp8_(out: torch.Tensor, codes: torch.Tensor, fmt: str) -> float:
@@ -61,7 +64,7 @@ def _decode_fp8_(out: torch.Tensor, codes: torch.Tensor, fmt: str) -> float:
     exactly). NaN codes decode to finite values; they only occur in NaN blocks, whose NaN
     scale turns them back into NaN.
     """
-    int_dtype, _, bias, _ = _bit_layout(out.dtype)
+    int_dtype, _, bias, _ = bit_layout(out.dtype)
     width = int_dtype.itemsize * 8
     shift = width - 8 - (8 - _ELEMENT_EXPONENT_BITS[fmt])
     bits = out.view(int_dtype)
@@ -72,10 +75,10 @@ def _decode_fp8_(out: torch.Tensor, codes: torch.Tensor, fmt: str) -> float:
     return 2.0 ** (bias - _ELEMENT_BIAS[fmt])
 
 
-def _round_elements_(a: torch.Tensor, fmt: str, info: FormatInfo) -> float:
+def round_elements_(a: torch.Tensor, fmt: str, info: FormatInfo) -> float:
     """Round `a` in place to the element format; returns the factor still to apply."""
-    native = _NATIVE_ELEMENT_DTYPES.get(fmt)
-    if native is not None and _NATIVE_FP8_CASTS.get(a.dtype, False):
+    native = NATIVE_ELEMENT_DTYPES.get(fmt)
+    if native is not None and NATIVE_FP8_CASTS.get(a.dtype, False):
         # torch's float32/bf16 -> fp8 casts are RNE with subnormals (from bf16 through the
         # exact float32 value: one rounding). Clamp first unless the cast is known to
         # saturate (probed on CPU): the e5m2 cast does not, nor does e4m3fn before torch 2.13

@@ -48,6 +48,7 @@ margin, are safe for every finite float32 amax.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import math
 import numbers
 from typing import Optional, Tuple
@@ -55,8 +56,8 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.quantization.formats.common import (
-    _INFO, FormatInfo, _block_view, _check_tensor, _normalize_axis, canonical_format)
-from megatron.quantization.formats.elements import _round_elements_
+    FORMAT_INFO, FormatInfo, block_view, check_tensor, normalize_axis, canonical_format)
+from megatron.quantization.formats.elements import round_elements_
 from megatron.quantization.formats.rounding import stochastic_round_to_grid
 
 FP8_SCALINGS = ("tensor", "block")
@@ -68,12 +69,12 @@ FLT_MAX = float(torch.finfo(torch.float32).max)
 # Per tensor TE passes FLT_MAX; its blockwise kernels pass the input type's largest finite
 # value (the scale is still a float32 number). float64 has no TE kernel and a float32 scale.
 _TENSOR_VALUE_FOR_INF = FLT_MAX
-_BLOCK_VALUE_FOR_INF = {
+_BLOCK_VALUE_FOR_INF = MappingProxyType({
     torch.float32: FLT_MAX,
     torch.bfloat16: float(torch.finfo(torch.bfloat16).max),   # 0x7F7F0000 = 3.3895314e38
     torch.float16: float(torch.finfo(torch.float16).max),     # 65504
     torch.float64: FLT_MAX,
-}
+})
 _EXPONENT_MASK = 0x7F800000   # scales are positive: bits & 0xFF800000 == bits & 0x7F800000
 
 
@@ -81,7 +82,7 @@ _EXPONENT_MASK = 0x7F800000   # scales are positive: bits & 0xFF800000 == bits &
 # Options
 # --------------------------------------------------------------------------------------------
 
-def _check_fp8_options(x: torch.Tensor, scaling, margin, pow2_scale, block):
+def check_fp8_options(x: torch.Tensor, scaling, margin, pow2_scale, block):
     """Validate the FP8 options and fill in defaults; returns the hashable tuple
     (scaling, margin as float, pow2_scale, block as a tuple or None).
 
@@ -192,7 +193,7 @@ def _abs_max(t: torch.Tensor, dims: Optional[Tuple[int, ...]] = None) -> torch.T
 
 def _row_tiles(t: torch.Tensor, axis: int):
     """t zero-padded along `axis` to a multiple of 128 and viewed as [..., nblocks, 128, ...]."""
-    return _block_view(t, axis, FP8_TILE)[0]
+    return block_view(t, axis, FP8_TILE)[0]
 
 
 def _square_tiles(t: torch.Tensor):
@@ -237,7 +238,7 @@ def _quantize_dequantize(x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.
         v = x.to(torch.float32).mul_(scale)      # exact upcast, then one rounding
     if noise is None:
         # RNE; saturates first (torch's e5m2 cast does not, P8); +-Inf -> +-max.
-        factor = _round_elements_(v, fmt, info)
+        factor = round_elements_(v, fmt, info)
         if factor != 1.0:
             v.mul_(factor)           # exact: q = decoded * 2**k
     else:
@@ -285,14 +286,14 @@ def _block_fake_quantize(x, fmt, info, axis, block, margin, pow2_scale, noise):
     return _untiled(y, x.shape, axis, block).to(x.dtype)
 
 
-def _fp8_fake_quantize(x: torch.Tensor, fmt: str, axis: int, scaling: str,
+def fp8_fake_quantize(x: torch.Tensor, fmt: str, axis: int, scaling: str,
                        amax: Optional[torch.Tensor], margin: float, pow2_scale: bool,
                        block: Optional[Tuple[int, int]],
                        noise: Optional[torch.Tensor]) -> torch.Tensor:
     """FP8 quantize-dequantize of a validated x (float dtype, numel > 0, axis >= 0) with
-    options from _check_fp8_options; amax a 0-d float32 tensor or None; noise uniform [0, 1)
+    options from check_fp8_options; amax a 0-d float32 tensor or None; noise uniform [0, 1)
     float32 of x's shape (stochastic rounding) or None (round to nearest, ties to even)."""
-    info = _INFO[fmt]
+    info = FORMAT_INFO[fmt]
     if scaling == "tensor":
         return _tensor_fake_quantize(x, fmt, info, amax, margin, pow2_scale, noise)
     return _block_fake_quantize(x, fmt, info, axis, block, margin, pow2_scale, noise)
@@ -306,7 +307,7 @@ def fp8_amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a 0-d float32 tensor: NaN if x holds a NaN, else Inf if it holds an Inf;
     0 for an empty x. This is the amax current scaling uses, and what a delayed-scaling amax
     history records."""
-    _check_tensor(x)
+    check_tensor(x)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     with torch.no_grad():
@@ -324,17 +325,17 @@ def fp8_scales(x: torch.Tensor, fmt: str, axis: int = -1, scaling: str = "tensor
     ceil(cols / 128)]. A scale is 1.0 where the amax is 0, NaN or Inf (the outputs there are
     NaN all the same for current and blockwise scaling).
     """
-    _check_tensor(x)
+    check_tensor(x)
     fmt = canonical_format(fmt)
-    info = _INFO[fmt]
+    info = FORMAT_INFO[fmt]
     if info.kind != "fp8":
         raise ValueError(f"{fmt!r} is not an fp8 format; fp8 formats: fp8_e4m3, fp8_e5m2")
-    scaling, margin, pow2_scale, block = _check_fp8_options(x, scaling, margin, pow2_scale,
+    scaling, margin, pow2_scale, block = check_fp8_options(x, scaling, margin, pow2_scale,
                                                             block)
     if amax is not None and scaling != "tensor":
         raise ValueError(f"amax applies to scaling='tensor', not scaling={scaling!r}")
     if x.dim() or scaling == "block":
-        axis = _normalize_axis(axis, x.dim())
+        axis = normalize_axis(axis, x.dim())
     with torch.no_grad():
         if scaling == "tensor":
             if amax is None:

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from megatron.quantization.formats.common import _check_tensor, _normalize_axis
+from megatron.quantization.formats.common import check_tensor, normalize_axis
 
 HADAMARD_BLOCK_SIZES = (16, 32, 64, 128)
 
@@ -71,9 +71,9 @@ def random_hadamard_transform(x: torch.Tensor, axis: int = -1, block: int = 16,
     16-bit inputs are computed in float32 (one rounding at the end), float64 stays float64.
     The transform is linear and differentiable (its gradient is the inverse transform).
     """
-    _check_tensor(x)
+    check_tensor(x)
     block = _check_block(block)
-    axis = _normalize_axis(axis, x.dim())
+    axis = normalize_axis(axis, x.dim())
     n = x.shape[axis]
     if n % block:
         raise ValueError(f"random_hadamard_transform: the length {n} along axis {axis} is not "

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from megatron.quantization.formats.common import (
     HIFP8_MAX, HIFP8_OVERFLOW, MAX_SHARED_EXPONENT, MIN_SHARED_EXPONENT,
-    HIFP8_DEFAULT_TARGET_EXPONENT, _bit_layout, _check_saturate, _check_tensor, _compute_dtype,
-    _device_table, _pow2, _to_compute)
+    HIFP8_DEFAULT_TARGET_EXPONENT, bit_layout, check_saturate, check_tensor, compute_dtype,
+    device_table, pow2, to_compute)
 
 def _hifp8_spacing_exponent(e: int) -> int:
     """log2 of the HiF8 rounding step for a value with floor(log2|x|) = e.
@@ -41,14 +41,15 @@ def _hifp8_spacing_table(dtype: torch.dtype) -> torch.Tensor:
     compute dtype) behaves like the lowest binade and rounds to 0; the all-ones field
     (Inf / NaN) maps to -1, which keeps Inf and NaN as they are.
     """
-    _, _, bias, field_max = _bit_layout(dtype)
+    _, _, bias, field_max = bit_layout(dtype)
     steps = [-1.0 if f == field_max else -math.ldexp(1.0, _hifp8_spacing_exponent(max(f, 1) - bias))
              for f in range(field_max + 1)]
     return torch.tensor(steps, dtype=dtype)
 
 
-_HIFP8_TABLES = {(dtype, torch.device("cpu")): _hifp8_spacing_table(dtype)
-                 for dtype in (torch.float32, torch.float64)}
+# Caches of constant tables, keyed by (dtype, device) and ((dtype, saturate), device).
+_SPACING_TABLE_CACHE = {(dtype, torch.device("cpu")): _hifp8_spacing_table(dtype)
+                        for dtype in (torch.float32, torch.float64)}
 
 
 
@@ -60,8 +61,8 @@ _HIFP8_NEG_OVERFLOW = -(HIFP8_MAX + HIFP8_OVERFLOW) / 2
 def _hifp8_round(work: torch.Tensor, sign_source: torch.Tensor, owned: bool,
                  saturate: bool) -> torch.Tensor:
     """HiF8 TA rounding of `work` (float32/64); returns a new tensor, or `work` if owned."""
-    int_dtype, mbits_fp, _, field_max = _bit_layout(work.dtype)
-    table = _device_table(_HIFP8_TABLES, work.dtype, work.device)
+    int_dtype, mbits_fp, _, field_max = bit_layout(work.dtype)
+    table = device_table(_SPACING_TABLE_CACHE, work.dtype, work.device)
     field = (work.view(int_dtype) >> mbits_fp).bitwise_and_(field_max)
     # One gather from a 256-entry (float64: 2048) table beats a chain of piecewise ops.
     neg_step = table.index_select(0, field.reshape(-1)).view(field.shape)
@@ -88,33 +89,33 @@ def _hifp8_half_table(dtype: torch.dtype, saturate: bool, device: torch.device) 
     the float32 result cast back (one rounding, P6).
     """
     key = (dtype, saturate)
-    if (key, torch.device("cpu")) not in _HALF_TABLES:
+    if (key, torch.device("cpu")) not in _HALF_TABLE_CACHE:
         values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
-        _HALF_TABLES[(key, torch.device("cpu"))] = _hifp8_round(
+        _HALF_TABLE_CACHE[(key, torch.device("cpu"))] = _hifp8_round(
             values.float(), values, True, saturate).to(dtype)
-    return _device_table(_HALF_TABLES, key, device)
+    return device_table(_HALF_TABLE_CACHE, key, device)
 
 
-_HALF_TABLES = {}
+_HALF_TABLE_CACHE = {}
 
 
-def _prepare_tables(dtype: torch.dtype, saturate: bool, device: torch.device) -> None:
+def prepare_hifp8_tables(dtype: torch.dtype, saturate: bool, device: torch.device) -> None:
     """Build the lookup table that HiFP8 of `dtype` inputs reads on `device`, ahead of a
     torch.compile trace: built inside it, the table would be part of the graph and the graph
     compiled again once the table exists."""
     if dtype in (torch.bfloat16, torch.float16):
         _hifp8_half_table(dtype, saturate, device)
     else:
-        _device_table(_HIFP8_TABLES, _compute_dtype(dtype), device)
+        device_table(_SPACING_TABLE_CACHE, compute_dtype(dtype), device)
 
 
-def _hifp8_fake_quantize(x: torch.Tensor, saturate: bool) -> torch.Tensor:
+def hifp8_fake_quantize(x: torch.Tensor, saturate: bool) -> torch.Tensor:
     if x.dtype in (torch.bfloat16, torch.float16):
         # 16-bit inputs: one gather from the table of all 65536 bit patterns.
         table = _hifp8_half_table(x.dtype, saturate, x.device)
         index = x.view(torch.int16).to(torch.int32).add_(32768)
         return table.index_select(0, index.reshape(-1)).view(x.shape)
-    work, owned = _to_compute(x)
+    work, owned = to_compute(x)
     return _hifp8_round(work, x, owned, saturate).to(x.dtype)
 
 
@@ -123,7 +124,7 @@ def hifp8_scale_exponent(x: torch.Tensor,
     """The per-tensor scale exponent k of `hifp8_scaled_fake_quantize`, as a 0-dim int tensor
     on x's device (no host sync): k = target_exponent - floor(log2 amax), clamped to
     [-127, 127]; 0 for an all-zero tensor or one holding NaN/Inf."""
-    _check_tensor(x)
+    check_tensor(x)
     _check_target_exponent(target_exponent)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.int32, device=x.device)
@@ -165,19 +166,19 @@ def hifp8_scaled_fake_quantize(x: torch.Tensor,
     x: the operand of a GEMM processed in pieces (chunked attention) is scaled by the k of the
     whole operand (`hifp8_scale_exponent`).
     """
-    _check_tensor(x)
+    check_tensor(x)
     _check_target_exponent(target_exponent)
-    _check_saturate("hifp8", saturate)
+    check_saturate("hifp8", saturate)
     if x.numel() == 0:
         return x.clone()
     with torch.no_grad():
-        work, owned = _to_compute(x)
+        work, owned = to_compute(x)
         if scale_exponent is None:
             k = _scale_exponent_of_amax(torch.maximum(work.amax(), work.amin().neg()),
                                         target_exponent)
         else:
             k = torch.as_tensor(scale_exponent, device=x.device).to(torch.int32)
-        scaled = work.mul_(_pow2(k, work.dtype)) if owned else work * _pow2(k, work.dtype)
+        scaled = work.mul_(pow2(k, work.dtype)) if owned else work * pow2(k, work.dtype)
         q = _hifp8_round(scaled, x, True, bool(saturate))
-        return q.mul_(_pow2(-k, work.dtype)).to(x.dtype)
+        return q.mul_(pow2(-k, work.dtype)).to(x.dtype)
 

@@ -8,15 +8,15 @@ from typing import Optional
 import torch
 
 from megatron.quantization.formats.common import (
-    _INFO, MAX_SHARED_EXPONENT, MIN_SHARED_EXPONENT, MX_BLOCK_SIZE, NAN_EXPONENT, FormatInfo,
-    _bit_layout, _check_scale_mode, _check_tensor, _normalize_axis, _block_view, _to_compute,
+    FORMAT_INFO, MAX_SHARED_EXPONENT, MIN_SHARED_EXPONENT, MX_BLOCK_SIZE, NAN_EXPONENT, FormatInfo,
+    bit_layout, check_scale_mode, check_tensor, normalize_axis, block_view, to_compute,
     canonical_format)
-from megatron.quantization.formats.elements import _round_elements_
+from megatron.quantization.formats.elements import round_elements_
 from megatron.quantization.formats.rounding import stochastic_round_to_grid
 
 def _blocks(work: torch.Tensor, axis: int):
     """(view of work as [..., nblocks, 32, ...], padded length) with blocks along `axis`."""
-    return _block_view(work, axis, MX_BLOCK_SIZE)
+    return block_view(work, axis, MX_BLOCK_SIZE)
 
 
 def _block_scales(amax: torch.Tensor, info: FormatInfo, scale_mode: str):
@@ -32,7 +32,7 @@ def _block_scales(amax: torch.Tensor, info: FormatInfo, scale_mode: str):
     2**e is NaN for blocks holding NaN or Inf (amax * 0 is NaN there), so that dequantization
     turns all their elements into NaN (P3, P4).
     """
-    int_dtype, mbits, _, field_max = _bit_layout(amax.dtype)
+    int_dtype, mbits, _, field_max = bit_layout(amax.dtype)
     pow2 = (amax.view(int_dtype) & (field_max << mbits)).view(amax.dtype)
     if scale_mode == "floor":
         up = pow2.mul_(2.0 ** -info.emax_elem)
@@ -49,7 +49,7 @@ def _block_scales(amax: torch.Tensor, info: FormatInfo, scale_mode: str):
 def _exponents_from_scales(up: torch.Tensor) -> torch.Tensor:
     """int32 e from the exact 2**e (exponent field; 2**-127 is the float32/bf16 subnormal with
     field 0, which reads as -127 too); NAN_EXPONENT where 2**e is NaN."""
-    int_dtype, mbits, bias, _ = _bit_layout(up.dtype)
+    int_dtype, mbits, bias, _ = bit_layout(up.dtype)
     e = ((up.view(int_dtype) >> mbits) - bias).to(torch.int32)
     return e.masked_fill_(torch.isnan(up), NAN_EXPONENT)
 
@@ -71,7 +71,7 @@ def _block_amax(blocks: torch.Tensor, dim: int, scratch: Optional[torch.Tensor] 
     return torch.abs(blocks, out=scratch).amax(dim, keepdim=True)
 
 
-def _mx_fake_quantize(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
+def mx_fake_quantize(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
                       noise: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MX quantize-dequantize (round to nearest even, or stochastic rounding with `noise`).
 
@@ -86,8 +86,8 @@ def _mx_fake_quantize(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
     """
     if noise is not None:
         return _mx_stochastic(x, fmt, axis, scale_mode, noise)
-    info = _INFO[fmt]
-    work, owned = _to_compute(x, native_bf16=True)
+    info = FORMAT_INFO[fmt]
+    work, owned = to_compute(x, native_bf16=True)
     blocks, pad = _blocks(work, axis)
     owned = owned or pad > 0
     # The result buffer; the bf16 amax borrows it as scratch before it is filled.
@@ -97,7 +97,7 @@ def _mx_fake_quantize(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
     # Exact: |x| * 2**-e < 2**(emax_elem + 1) cannot overflow, and values small enough to
     # lose bits to underflow round to zero in any element format.
     torch.mul(blocks, down, out=scaled)
-    factor = _round_elements_(scaled, fmt, info)
+    factor = round_elements_(scaled, fmt, info)
     # Dequantize: (factor * q) * 2**e, in this order (q * 2**e alone could underflow). Exact
     # (element values times 2**e fit float32, even at e = -127, P5), except that rceil can
     # round a block near float32 max up to 2**128 = inf (P12); bf16 rounds the exact value once.
@@ -115,8 +115,8 @@ def _mx_stochastic(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
     nearest have no stochastic counterpart. A block holding NaN/Inf still becomes all NaN: its
     2**e is NaN (the scaled Inf saturates first, so the grid rounding only sees finite values).
     """
-    info = _INFO[fmt]
-    work, _ = _to_compute(x)
+    info = FORMAT_INFO[fmt]
+    work, _ = to_compute(x)
     blocks, pad = _blocks(work, axis)
     noise_blocks, _ = _blocks(noise, axis)
     down, up = _block_scales(_block_amax(blocks, axis + 1), info, scale_mode)
@@ -141,15 +141,15 @@ def mx_shared_exponents(x: torch.Tensor, fmt: str, axis: int = -1,
     block's scale is 2**e; the E8M0 code is e + 127. All-zero blocks give -127; blocks holding
     NaN or Inf give NAN_EXPONENT (128). fake_quantize uses this same computation.
     """
-    _check_tensor(x)
+    check_tensor(x)
     fmt = canonical_format(fmt)
-    _check_scale_mode(scale_mode)
-    info = _INFO[fmt]
+    check_scale_mode(scale_mode)
+    info = FORMAT_INFO[fmt]
     if info.kind != "mx":
         raise ValueError(f"{fmt!r} is not an MX format; MX formats: mxfp8, mxfp8_e4m3, "
                          "mxfp8_e5m2, mxfp6_e2m3, mxfp6_e3m2, mxfp4")
-    axis = _normalize_axis(axis, x.dim())
-    work, _ = _to_compute(x, native_bf16=True)
+    axis = normalize_axis(axis, x.dim())
+    work, _ = to_compute(x, native_bf16=True)
     if work.shape[axis] == 0:
         return torch.empty(work.shape, dtype=torch.int32, device=x.device)
     blocks, _ = _blocks(work, axis)
@@ -163,7 +163,7 @@ def mx_block_scales(amax: torch.Tensor, fmt: str, scale_mode: str = "floor"):
     mx_shared_exponents, for callers that already have the block maxima. 2**e is NaN and e is
     NAN_EXPONENT for blocks holding NaN or Inf."""
     fmt = canonical_format(fmt)
-    _check_scale_mode(scale_mode)
-    _, up = _block_scales(amax, _INFO[fmt], scale_mode)
+    check_scale_mode(scale_mode)
+    _, up = _block_scales(amax, FORMAT_INFO[fmt], scale_mode)
     return _exponents_from_scales(up), up
 

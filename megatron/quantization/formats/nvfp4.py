@@ -32,8 +32,8 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.quantization.formats.common import (
-    NVFP4_BLOCK_SIZE, _block_view, _check_tensor, _normalize_axis)
-from megatron.quantization.formats.elements import _round_to_grid_
+    NVFP4_BLOCK_SIZE, block_view, check_tensor, normalize_axis)
+from megatron.quantization.formats.elements import round_to_grid_
 from megatron.quantization.formats.rounding import stochastic_round_to_grid
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -41,8 +41,8 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 # Constants as float32 numbers, exactly as the kernels hold them.
 _TENSOR_SCALE_NUMERATOR = 2688.0                                       # 448 * 6, exact
-_ONE_SIXTH_F32 = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))   # 0.16666667163...
-_ONE_OVER_2688_F32 = float(torch.tensor(1.0 / 2688.0, dtype=torch.float32))
+ONE_SIXTH_F32 = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))   # 0.16666667163...
+ONE_OVER_2688_F32 = float(torch.tensor(1.0 / 2688.0, dtype=torch.float32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,9 +59,9 @@ def _blocked(work: torch.Tensor, axis: int, block_2d: bool):
     """
     b = NVFP4_BLOCK_SIZE
     if block_2d:
-        rows, _ = _block_view(work, 0, b)             # [R/16, 16, C]
-        return _block_view(rows, 2, b)[0], (1, 3)     # [R/16, 16, C/16, 16]
-    return _block_view(work, axis, b)[0], (axis + 1,)
+        rows, _ = block_view(work, 0, b)             # [R/16, 16, C]
+        return block_view(rows, 2, b)[0], (1, 3)     # [R/16, 16, C/16, 16]
+    return block_view(work, axis, b)[0], (axis + 1,)
 
 
 def _unblocked(blocks: torch.Tensor, x: torch.Tensor, axis: int, block_2d: bool):
@@ -99,7 +99,7 @@ def _round_e4m3_(s: torch.Tensor) -> torch.Tensor:
     This is `cvt.rn.satfinite.e4m3`. Values in (448, 464] round to 448 anyway; clamping after
     the grid rounding also saturates what would round to 480 (the NaN code, P7) or beyond.
     """
-    return _round_to_grid_(s, -6, 3).clamp_(max=E4M3_MAX)
+    return round_to_grid_(s, -6, 3).clamp_(max=E4M3_MAX)
 
 
 def _tensor_scales(amax: torch.Tensor):
@@ -114,7 +114,7 @@ def _tensor_scales(amax: torch.Tensor):
 
 def _block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
     """The E4M3 block decode scales s (step 4), as float32 values."""
-    per_unit = s_enc * _ONE_SIXTH_F32            # f32(s_enc * f32(1/6))
+    per_unit = s_enc * ONE_SIXTH_F32            # f32(s_enc * f32(1/6))
     return _round_e4m3_(block_amax * per_unit)   # f32(amax_b * ...), then E4M3
 
 
@@ -146,7 +146,7 @@ def tensor_scales(data_amax: torch.Tensor, amax: Optional[torch.Tensor]):
 # Quantize-dequantize
 # --------------------------------------------------------------------------------------------
 
-def _nvfp4_fake_quantize(x: torch.Tensor, axis: int, block_2d: bool,
+def nvfp4_fake_quantize(x: torch.Tensor, axis: int, block_2d: bool,
                          noise: Optional[torch.Tensor],
                          amax: Optional[torch.Tensor]) -> torch.Tensor:
     """NVFP4 quantize-dequantize of a validated float tensor (see the module docstring).
@@ -162,13 +162,13 @@ def _nvfp4_fake_quantize(x: torch.Tensor, axis: int, block_2d: bool,
     s, amax, s_dec, finite = _scales(blocks, dims, amax)
     enc = torch.reciprocal(s * s_dec).clamp_(max=FLT_MAX)                  # step 5
     # Step 7's factor; NaN everywhere when the tensor scale is undefined.
-    dec = (s * amax).mul_(_ONE_OVER_2688_F32)
+    dec = (s * amax).mul_(ONE_OVER_2688_F32)
     dec = torch.where(finite, dec, torch.nan)
 
     v = blocks * enc                                                        # step 6
     v.clamp_(-E2M1_MAX, E2M1_MAX)
     if noise is None:
-        _round_to_grid_(v, 0, 1)                                            # E2M1, RNE
+        round_to_grid_(v, 0, 1)                                            # E2M1, RNE
     else:
         noise_blocks, _ = _blocked(noise, axis, block_2d)
         v = stochastic_round_to_grid(v, noise_blocks, 0, 1)
@@ -188,10 +188,10 @@ def nvfp4_scales(x: torch.Tensor, axis: int = -1, block_2d: bool = False,
     max |x|; NaN or Inf when x holds NaN or Inf). When x holds NaN/Inf, or the imposed amax
     is not finite, every block scale is NaN (every output of fake_quantize is NaN then).
     """
-    _check_tensor(x)
+    check_tensor(x)
     if block_2d and x.dim() != 2:
         raise ValueError(f"block_2d needs a 2-D tensor (a weight), got shape {tuple(x.shape)}")
-    axis = _normalize_axis(axis, x.dim())
+    axis = normalize_axis(axis, x.dim())
     if amax is not None:
         amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
         if amax.dim() != 0:

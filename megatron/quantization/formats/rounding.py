@@ -14,12 +14,12 @@ from typing import Optional
 
 import torch
 
-from megatron.quantization.formats.common import _bit_layout
+from megatron.quantization.formats.common import bit_layout
 
 ROUNDINGS = ("nearest", "stochastic")
 
 
-def _check_rounding(rounding: str, generator: Optional[torch.Generator]) -> None:
+def check_rounding(rounding: str, generator: Optional[torch.Generator]) -> None:
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
     if rounding == "stochastic" and not isinstance(generator, torch.Generator):
@@ -48,7 +48,7 @@ def stochastic_round_to_grid(a: torch.Tensor, noise: torch.Tensor, emin: int,
     neighbour lo and r - floor(r) the probability of rounding up to lo + spacing. A value on
     the grid has r - floor(r) = 0 and never moves. NaN stays NaN.
     """
-    int_dtype, mbits_fp, bias, field_max = _bit_layout(a.dtype)
+    int_dtype, mbits_fp, bias, field_max = bit_layout(a.dtype)
     spacing = a.view(int_dtype) & (field_max << mbits_fp)
     spacing.clamp_(min=(emin + bias) << mbits_fp)
     spacing.sub_(mbits << mbits_fp)

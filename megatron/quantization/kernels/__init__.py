@@ -14,7 +14,7 @@ Covered, for float32 and bf16 inputs:
   amax (the 0-d tensor scales are computed by the eager ops before the launch).
 Everything else (NVFP4's 16x16 tiles, block_2d; the FP8 formats; bf16/fp16 pass-through;
 float16/float64 inputs) is reported as not covered by `unsupported_reason`, and the caller
-falls back to the eager implementation.
+falls back to the eager implementation (megatron.quantization.dispatch decides).
 
 Triton is optional: importing this package does not import it; `triton_available()` says
 whether it can be imported.
@@ -63,26 +63,24 @@ def unsupported_reason(kind: str, fmt: str, dtype: torch.dtype, rounding: str,
     return None
 
 
-def device_reason(x: torch.Tensor) -> Optional[str]:
-    """Why x's device cannot run the kernels (None when it can)."""
-    if not (x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_enabled())):
-        return (f"a tensor on {x.device} (the Triton kernels run on CUDA tensors, or on CPU "
+def device_reason(device: torch.device) -> Optional[str]:
+    """Why tensors on `device` cannot run the kernels (None when they can)."""
+    if not (device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())):
+        return (f"a tensor on {device} (the Triton kernels run on CUDA tensors, or on CPU "
                 f"tensors under Triton's interpreter, TRITON_INTERPRET=1)")
     if not triton_available():
         return "this installation: triton is not importable (pip install triton)"
     return None
 
 
-def fake_quantize(x: torch.Tensor, fmt: str, kind: str, axis: int, scale_mode: str,
-                  saturate: bool, noise: Optional[torch.Tensor],
-                  amax: Optional[torch.Tensor]) -> torch.Tensor:
-    """Quantize-dequantize by the Triton kernel of the format's family (a call that
-    unsupported_reason and device_reason accept; arguments validated by fake_quantize)."""
-    if kind == "nvfp4":
+def triton_fake_quantize(x: torch.Tensor, call, noise: Optional[torch.Tensor]) -> torch.Tensor:
+    """Quantize-dequantize by the Triton kernel of the format's family: a prepared call
+    (formats.QuantizeCall) that unsupported_reason and device_reason accept."""
+    if call.kind == "nvfp4":
         from megatron.quantization.kernels.nvfp4 import nvfp4_fake_quantize_triton
-        return nvfp4_fake_quantize_triton(x, axis, noise, amax)
-    if kind == "hifp8":
+        return nvfp4_fake_quantize_triton(x, call.axis, noise, call.amax)
+    if call.kind == "hifp8":
         from megatron.quantization.kernels.hifp8 import hifp8_fake_quantize_triton
-        return hifp8_fake_quantize_triton(x, saturate)
+        return hifp8_fake_quantize_triton(x, call.saturate)
     from megatron.quantization.kernels.mx import mx_fake_quantize_triton
-    return mx_fake_quantize_triton(x, fmt, axis, scale_mode, noise)
+    return mx_fake_quantize_triton(x, call.fmt, call.axis, call.scale_mode, noise)

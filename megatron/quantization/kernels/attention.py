@@ -18,9 +18,9 @@ Forward, per (query tile, key tile), in the chunked path's order:
     S   = Q_q @ K_q^T                  fp32 accumulation, rounded to the dtype
     x   = float(dtype(S * scale))      the product in fp32, rounded to the dtype
     x   = -10000 where the mask hides the key
-    P32 = exp(x - m) / l               m, l: the row's max of x and sum of exp(x - m) over all
+    P_fp32 = exp(x - m) / l               m, l: the row's max of x and sum of exp(x - m) over all
                                        keys (first pass, online); IEEE division
-    P   = dtype(P32)
+    P   = dtype(P_fp32)
     P_q = MX(P) in blocks of 32 consecutive keys (PV fprop.a)
     O  += P_q @ V_q                    fp32 accumulation; O rounded to the dtype at the end
 
@@ -29,7 +29,7 @@ Backward (dO given), as torch's autograd differentiates the chunk:
     dP    = dtype(dO_q @ V_q^T)                   dO and V blocked along dv (PV dgrad)
     delta = sum_j P32_j * dP_j over all keys       a separate pass (NOT rowsum(dO * O), which
                                                    differs once P, V or dO are quantized)
-    dx    = P32 * (dP - delta), 0 where hidden     softmax and masked_fill backward, fp32
+    dx    = P_fp32 * (dP - delta), 0 where hidden     softmax and masked_fill backward, fp32
     dS    = dtype(dtype(dx) * scale)               the .float() cast's and the scale's backward
     dQ    = MX_keys(dS) @ K_q                      QK^T dgrad: dS along keys, K (outside) along keys
     dK^T  = Q_q^T @ MX_rows(dS)                    QK^T wgrad: Q (outside) and dS along the rows
@@ -77,7 +77,7 @@ What differs from the chunked path (summation order and transcendental functions
 * dK and dV are rounded to the dtype once, after accumulating all query rows in fp32; the
   chunked path rounds each chunk's part to the dtype before summing the parts in fp32 (the
   unfused path rounds once, as here).
-A last-bit difference in P32 or S can flip a later rounding (to bf16, or to the MX grid), so
+A last-bit difference in P_fp32 or S can flip a later rounding (to bf16, or to the MX grid), so
 results agree with the chunked path to the rounding of the dtype, not bit for bit.
 
 On a CUDA GPU the bf16 GEMMs run as bf16 tl.dot (fp32 accumulation) and fp32 ones with
@@ -99,7 +99,7 @@ import triton.language as tl
 from megatron.quantization.formats import canonical_format, format_info
 from megatron.quantization.kernels import interpreter_enabled
 from megatron.quantization.kernels.bits import load_bits, store_bits
-from megatron.quantization.kernels.mx import _format_constants, mx_quantize_blocks
+from megatron.quantization.kernels.mx import format_constants, mx_quantize_blocks
 
 # (query rows, keys) per tile, each a multiple of 32 so that tiles hold whole MX blocks along
 # either axis; chosen for an H100 at d = 128 (the in-register MX quantization is heavy on
@@ -443,14 +443,14 @@ class TileFormats:
         """The tile slots of a QK^T and a PV site's MatmulQuantConfig."""
         return cls(probs=pv_config.fprop.a, probs_rows=pv_config.wgrad.a,
                    score_grad=qk_config.dgrad.a, score_grad_rows=qk_config.wgrad.b,
-                   qk_scale_mode=qk_config.scale_mode, pv_scale_mode=pv_config.scale_mode)
+                   qk_scale_mode=qk_config.mx.scale_mode, pv_scale_mode=pv_config.mx.scale_mode)
 
 
 def _slot_constants(fmt: str, scale_mode: str) -> tuple:
     """The FMT constexpr of _quantize_rows_of."""
     if fmt == "none":
         return (False, 0, 0, 0, 0, 0, False)
-    c = _format_constants(fmt)
+    c = format_constants(fmt)
     return (True, c["EMAX"], c["EMIN"], c["MBITS"], c["TOP_SIG"], c["MAX_MANT"],
             scale_mode == "rceil")
 
@@ -479,7 +479,7 @@ def _launch_options(dtype: torch.dtype, head_dim: int, value_dim: int, tile) -> 
     return options
 
 
-def _operands(sq: int, **tensors) -> list:
+def operands(sq: int, **tensors) -> list:
     """The operands, contiguous (the kernels address them as such), after checking them."""
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
@@ -521,7 +521,7 @@ def attention_forward(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor,
     (the QK^T fprop a operand), k_t [G, d, sk] (fprop b), v [G, sk, dv] (PV fprop b); R is a
     multiple of sq. P is quantized along the keys in `formats.probs`. debug also returns P and
     its quantization as [G, R, sk] tensors."""
-    q, k_t, v = _operands(sq, q=q, k_t=k_t, v=v)
+    q, k_t, v = operands(sq, q=q, k_t=k_t, v=v)
     g, rows, d = q.shape
     sk, dv = k_t.size(2), v.size(2)
     out = torch.empty(g, rows, dv, dtype=q.dtype, device=q.device)
@@ -554,7 +554,7 @@ def attention_backward(grad_out_dgrad: torch.Tensor, grad_out_wgrad: torch.Tenso
     keys) from the dQ kernel; "probs", "score_grad_2" (P and dS as the dK/dV kernel recomputes
     them), "probs_rows_q" and "score_grad_rows_q" (quantized along the rows) from the dK/dV
     kernel."""
-    (q, k_t, q_wgrad, k_t_dgrad, v_dgrad, grad_out_dgrad, grad_out_wgrad) = _operands(
+    (q, k_t, q_wgrad, k_t_dgrad, v_dgrad, grad_out_dgrad, grad_out_wgrad) = operands(
         sq, q=q, k_t=k_t, q_wgrad=q_wgrad, k_t_dgrad=k_t_dgrad, v_dgrad=v_dgrad,
         grad_out_dgrad=grad_out_dgrad, grad_out_wgrad=grad_out_wgrad)
     g, rows, d = q.shape
@@ -669,7 +669,7 @@ def unsupported_reason(qk_config, pv_config, dtype: torch.dtype, head_dim: int, 
         return "softmax in bf16 (the kernels compute it in fp32)"
     if not (1 <= head_dim <= MAX_HEAD_DIM and 1 <= value_dim <= MAX_HEAD_DIM):
         return f"head dims {head_dim}, {value_dim} (the kernels take up to {MAX_HEAD_DIM})"
-    if qk_config.rht_gemms or pv_config.rht_gemms:
+    if qk_config.rht.gemms or pv_config.rht.gemms:
         return "the random Hadamard transform (linear layers only)"
     for side in ("a", "b"):
         if not qk_config.reusable("fprop", side, getattr(qk_config.fprop, side)):

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.quantization.formats.common import _INFO, MX_BLOCK_SIZE
+from megatron.quantization.formats.common import FORMAT_INFO, MX_BLOCK_SIZE
 from megatron.quantization.kernels.bits import (
     block_offsets, load_bits, pack, round_to_grid, store_bits)
 
@@ -81,8 +81,8 @@ def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_
     store_bits(y_ptr, offs, mask, res, IS_BF16)
 
 
-def _format_constants(fmt: str):
-    info = _INFO[fmt]
+def format_constants(fmt: str):
+    info = FORMAT_INFO[fmt]
     top_sig = info.max_normal / 2.0 ** (info.emax_elem - info.mantissa_bits)
     assert top_sig == int(top_sig), fmt
     mant, _ = math.frexp(info.max_normal)          # max_normal = 1.n * 2**emax_elem
@@ -118,5 +118,5 @@ def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: st
     _mx_qdq_kernel[grid](x.view(view), noise_arg, y.view(view), n_blocks, length, inner,
                          blocks_per_row, RCEIL=scale_mode == "rceil",
                          STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16,
-                         GROUP_=GROUP, **_format_constants(fmt))
+                         GROUP_=GROUP, **format_constants(fmt))
     return y

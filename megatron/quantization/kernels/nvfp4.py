@@ -27,7 +27,7 @@ import triton.language as tl
 
 from megatron.quantization.formats.common import NVFP4_BLOCK_SIZE
 from megatron.quantization.formats.nvfp4 import (
-    _ONE_OVER_2688_F32, FLT_MAX, _ONE_SIXTH_F32, tensor_scales)
+    ONE_OVER_2688_F32, FLT_MAX, ONE_SIXTH_F32, tensor_scales)
 from megatron.quantization.kernels.bits import (
     block_offsets, load_bits, pack, round_to_grid, store_bits)
 
@@ -35,7 +35,7 @@ GROUP = 128         # blocks of 16 per program: 2048 elements
 # The float32 constants as the kernel writes them (Python floats that are float32 values).
 _FLT_MAX = 3.4028234663852886e38
 _RECIP_2688 = 0.00037202381645329297
-assert _FLT_MAX == FLT_MAX and _RECIP_2688 == _ONE_OVER_2688_F32
+assert _FLT_MAX == FLT_MAX and _RECIP_2688 == ONE_OVER_2688_F32
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def nvfp4_fake_quantize_triton(x: torch.Tensor, axis: int, noise: Optional[torch
     # may be -0).
     data_amax = torch.maximum(x.amax(), x.amin().neg()).abs().float()
     amax, s_enc, s_dec, finite = tensor_scales(data_amax, amax)
-    scales = torch.stack([s_enc * _ONE_SIXTH_F32, s_dec, amax, finite.float()]).float()
+    scales = torch.stack([s_enc * ONE_SIXTH_F32, s_dec, amax, finite.float()]).float()
     length = x.shape[axis]
     inner = math.prod(x.shape[axis + 1:])
     outer = math.prod(x.shape[:axis])

@@ -59,9 +59,9 @@ How the measurement stays faithful to a GPU run:
   K and V are expanded before the operator, and the expanded copies are what it saves.
 * Quantized attention takes the path a GPU takes under the run's --quant-kernels. With the
   default (auto) a GPU with triton installed (pip install -e .[gpu]) runs the fused Triton
-  attention kernels wherever they cover the call. The module's own decision
-  (QuantDotProductAttention._runs_fused_kernels, with the kernels' unsupported_reason) is
-  asked with the meta operands presented as CUDA tensors; where it picks the kernels, their
+  attention kernels wherever they cover the call. The one rule the module itself asks
+  (quantization.dispatch.attention_path, with the kernels' unsupported_reason) is asked
+  with the meta operands presented as CUDA tensors; where it picks the kernels, their
   autograd function runs as it is -- the whole operands it quantizes, what it saves: q, k_t,
   v of the grouped layout and two fp32 [G, R] row statistics -- and only its two kernel
   launches are replaced by the tensors they allocate (the output; delta [G, R] fp32, dQ,

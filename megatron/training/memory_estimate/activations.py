@@ -185,8 +185,8 @@ def measure_saved(model, args, pre_process: bool, post_process: bool, device, tp
                 stack.enter_context(cuda_to_meta())
                 stack.enter_context(stochastic_rounding_on_meta())
                 stack.enter_context(gpu_free_memory_on_meta(gpu_free_bytes))
-                attention = stack.enter_context(fused_attention_kernels_on_meta(
-                    getattr(args, "quant_kernels", None) or "auto"))
+                attention = stack.enter_context(
+                    fused_attention_kernels_on_meta(args.quant_config.backend.kernels))
             if routing:
                 stack.enter_context(BalancedRoutingMode())
             if backward:

@@ -162,19 +162,6 @@ def gpu_free_memory_on_meta(free_bytes: Optional[int]):
         attention.free_device_bytes = device_free
 
 
-class _AsOnCuda:
-    """A meta tensor as the quantized attention's path decision sees it on a GPU: on a CUDA
-    device, every other attribute (dtype, sizes) the tensor's own."""
-
-    device = torch.device("cuda")
-
-    def __init__(self, tensor: torch.Tensor):
-        self._tensor = tensor
-
-    def __getattr__(self, name):
-        return getattr(self._tensor, name)
-
-
 @dataclasses.dataclass
 class AttentionPaths:
     """The path each quantized attention call of a measurement took: how many ran the fused
@@ -184,23 +171,13 @@ class AttentionPaths:
     chunked: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def _chunked_reason(module, mode: str, qk_cfg, pv_cfg, q, v, attention_mask,
-                    observed) -> str:
-    """Why the module keeps a call on the chunked path (its decision was no), in words."""
-    if mode not in ("auto", "triton"):
-        return f"--quant-kernels {mode}"
-    if observed:
-        return "an observer watches the attention GEMMs"
-    return module._fused_kernels_reason(qk_cfg, pv_cfg, q, v, attention_mask) or "unknown"
-
-
 def _kernel_forward_on_meta(q, k_t, v, formats, softmax_scale, causal, sq,
                             skip_masked_tiles=True, debug=False):
     """kernels.attention.attention_forward's allocations on meta operands: the output and
     the two fp32 row statistics (plus any contiguous copy of an operand); no launch."""
     from megatron.quantization.kernels import attention as fused
 
-    q, k_t, v = fused._operands(sq, q=q, k_t=k_t, v=v)
+    q, k_t, v = fused.operands(sq, q=q, k_t=k_t, v=v)
     groups, rows, _ = q.shape
     out = torch.empty(groups, rows, v.size(2), dtype=q.dtype, device=q.device)
     row_max = torch.empty(groups, rows, dtype=torch.float32, device=q.device)
@@ -214,7 +191,7 @@ def _kernel_backward_on_meta(grad_out_dgrad, grad_out_wgrad, q, q_wgrad, k_t, k_
     row), dQ, dK^T and dV (plus any contiguous copy of an operand); no launch."""
     from megatron.quantization.kernels import attention as fused
 
-    q, k_t, _, _, v_dgrad, _, _ = fused._operands(
+    q, k_t, _, _, v_dgrad, _, _ = fused.operands(
         sq, q=q, k_t=k_t, q_wgrad=q_wgrad, k_t_dgrad=k_t_dgrad, v_dgrad=v_dgrad,
         grad_out_dgrad=grad_out_dgrad, grad_out_wgrad=grad_out_wgrad)
     delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -233,41 +210,35 @@ def _on_meta(stand_in, launcher):
 
 @contextlib.contextmanager
 def fused_attention_kernels_on_meta(mode: str = "auto"):
-    """The quantized attention's path as a GPU with triton takes it, under --quant-kernels
-    `mode`; yields the AttentionPaths the calls took.
+    """The quantized attention's path as a GPU with triton takes it under --quant-kernels
+    `mode` (the run's; the meta model itself quantizes eagerly); yields the AttentionPaths the
+    calls took.
 
-    The module decides (QuantDotProductAttention._runs_fused_kernels, the kernels'
-    unsupported_reason) with meta operands presented as CUDA ones, so it picks the fused
-    Triton kernels wherever they cover the call on a GPU and the chunked path elsewhere. The
-    kernels' autograd function then runs as it is -- its operand quantizations, what it saves
-    (q, k_t, v and two fp32 [G, R] row statistics) -- and only the two kernel launches are
-    replaced by the allocations they make. Without triton here nothing can be decided: every
-    call stays chunked, and the reason says so. Restored on exit.
+    The one rule decides (dispatch.attention_path), asked about meta operands as about CUDA
+    ones, so it picks the fused Triton kernels wherever they cover the call on a GPU and the
+    chunked path elsewhere. The kernels' autograd function then runs as it is -- its operand
+    quantizations, what it saves (q, k_t, v and two fp32 [G, R] row statistics) -- and only
+    the two kernel launches are replaced by the allocations they make. Without triton here
+    nothing can be decided: every call stays chunked, and the reason says so. Restored on
+    exit.
     """
-    from megatron.quantization import attention
+    from megatron.quantization import dispatch
     from megatron.quantization.kernels import triton_available
 
     paths = AttentionPaths()
-    module_class = attention.QuantDotProductAttention
-    decide = module_class._runs_fused_kernels
+    decide = dispatch.attention_path
 
-    def runs_fused_kernels(self, qk_cfg, pv_cfg, q, v, attention_mask, observed):
-        if not q.is_meta:
-            return decide(self, qk_cfg, pv_cfg, q, v, attention_mask, observed)
-        q, v = _AsOnCuda(q), _AsOnCuda(v)
-        fused = decide(self, qk_cfg, pv_cfg, q, v, attention_mask, observed)
-        if fused:
+    def attention_path(call, model_mode):
+        if call.device.type != "meta":
+            return decide(call, model_mode)
+        path = decide(dataclasses.replace(call, device=torch.device("cuda")), mode)
+        if path.name == "triton":
             paths.fused += 1
-        else:
-            reason = _chunked_reason(self, mode, qk_cfg, pv_cfg, q, v, attention_mask,
-                                     observed)
-            paths.chunked[reason] = paths.chunked.get(reason, 0) + 1
-        return fused
+        elif path.name == "chunked":
+            paths.chunked[path.reason] = paths.chunked.get(path.reason, 0) + 1
+        return path
 
-    # The run's --quant-kernels for the attention's decision only: fake quantization on the
-    # meta device stays eager.
-    patches = [(module_class, "_runs_fused_kernels", runs_fused_kernels),
-               (attention, "kernels_mode", lambda: mode)]
+    patches = [(dispatch, "attention_path", attention_path)]
     if triton_available():
         from megatron.quantization.kernels import attention as fused
         patches += [(fused, "attention_forward",
@@ -298,8 +269,13 @@ def build_meta_model(args, pre_process: bool = True, post_process: bool = True,
     config.use_cpu_initialization = True
     config.perform_initialization = True   # a no-op on meta that sets tensor_model_parallel
     config.expert_model_parallel_size = expert_parallel
+    # Operands on the meta device are quantized eagerly whatever --quant-kernels says (no
+    # kernel runs there); the attention's path is decided with the run's mode all the same
+    # (fused_attention_kernels_on_meta).
+    quant = args.quant_config
+    quant = quant.replace(backend=quant.backend.replace(kernels="eager"))
     with cuda_to_meta(), torch.device("meta"):
-        return build_gpt_model(args, config, args.quant_config,
+        return build_gpt_model(args, config, quant,
                                pre_process=pre_process, post_process=post_process)
 
 

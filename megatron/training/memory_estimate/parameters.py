@@ -65,8 +65,8 @@ def cached_weight_copies(config, shape, element_size: int) -> int:
         if fmt == "none" or not config.reusable(gemm, "b", fmt):
             continue
         dims, copies = list(shape), 1
-        if gemm in config.rht_gemms:
-            dims[axis] = math.ceil(dims[axis] / config.rht_block) * config.rht_block
+        if gemm in config.rht.gemms:
+            dims[axis] = math.ceil(dims[axis] / config.rht.block) * config.rht.block
             copies = 2
         total += copies * math.prod(dims) * element_size
     return total
@@ -86,7 +86,7 @@ def _weight_cache_bytes(model, args, layout: Layout):
     the experts); nothing under --no-quant-weight-cache."""
     from megatron.quantization.layers import QuantizedLinearMixin
 
-    if not getattr(args, "quant_weight_cache", True):
+    if not args.quant_config.backend.weight_cache:
         return
     for name, module in model.named_modules():
         if not isinstance(module, QuantizedLinearMixin) or module.quant_site is None:

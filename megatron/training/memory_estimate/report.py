@@ -127,26 +127,6 @@ def _estimate_stage(args, layout: Layout, stage: int, params: StageParameters, v
         gpu_memory_bytes=gpu_bytes, notes=notes)
 
 
-def _site_configs(quant_config) -> list:
-    """Every MatmulQuantConfig of a QuantConfig: its per-kind configs and those of a recipe
-    file's rules."""
-    from megatron.quantization.gemm import MatmulQuantConfig
-
-    found = []
-    values = list(vars(quant_config).values()) if quant_config is not None else []
-    while values:
-        value = values.pop()
-        if isinstance(value, MatmulQuantConfig):
-            found.append(value)
-        elif isinstance(value, dict):
-            values.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            values.extend(value)
-        elif hasattr(value, "configs"):             # recipes.RecipeRules
-            values.append(value.configs)
-    return found
-
-
 def attention_notes(paths: AttentionPaths) -> List[str]:
     """Which path the quantized attention was measured on: the fused Triton kernels or the
     chunked path, and why not the kernels. Nothing for attention that makes no such choice
@@ -167,22 +147,24 @@ def quantization_notes(args) -> List[str]:
     """What the quantization adds beyond the saved operands (the quantized GEMMs save only
     their high-precision operands, whatever the format): the temporaries of stochastic
     rounding, the Hadamard transform and delayed scaling's histories, which the measurement
-    (the model's own forward and backward) counts; and --quant-compile."""
-    configs = [c for c in _site_configs(getattr(args, "quant_config", None)) if c.enabled]
+    (the model's own forward and backward) counts; and --quant-kernels compile."""
+    quant = args.quant_config
+    configs = [c for c in quant.site_configs() if c.enabled]
     notes = []
     if any(c.stochastic for c in configs):
         notes.append("stochastic rounding: each rounded operand draws a float32 noise tensor of "
                      "its size (a temporary, measured)")
-    if any(c.rht_gemms for c in configs):
+    if any(c.rht.gemms for c in configs):
         notes.append("Hadamard transform: the GEMM rotates float32 copies of its operands, "
                      "zero-padded to the block (temporaries, measured; not kept for backward)")
     if any(c.delayed(fmt) for c in configs for gemm in ("fprop", "dgrad", "wgrad")
            for fmt in (getattr(c, gemm).a, getattr(c, gemm).b)):
         notes.append("FP8 delayed scaling: the amax histories (--fp8-amax-history-len floats "
                      "per operand and site) are negligible")
-    if getattr(args, "quant_compile", False):
-        notes.append("--quant-compile: measured on the eager quantization path; compiled "
-                     "kernels fuse its temporaries, so the largest temporary is an upper bound")
+    if quant.backend.kernels == "compile":
+        notes.append("--quant-kernels compile: measured on the eager quantization path; "
+                     "compiled kernels fuse its temporaries, so the largest temporary is an "
+                     "upper bound")
     return notes
 
 
@@ -227,7 +209,7 @@ def _recipe_text(args) -> str:
 
 
 def _weight_cache_text(args) -> str:
-    if not getattr(args, "quant_weight_cache", True):
+    if not args.quant_config.backend.weight_cache:
         return "none kept: --no-quant-weight-cache"
     return ("fprop and dgrad QDQ copies of each quantized weight, kept until the optimizer "
             "step; --no-quant-weight-cache drops them")
@@ -247,7 +229,7 @@ def format_estimate(est: MemoryEstimate, args) -> str:
     lines = [
         f"Memory per GPU ({stage}), measured on the meta device",
         f"  {model}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, {dtype}, "
-        f"quant scheme {args.quant_scheme}{_recipe_text(args)}",
+        f"quant scheme {args.quant_config.label}{_recipe_text(args)}",
         f"  {describe_layout(args)}",
         f"  parameters            {gib(est.parameter_bytes):>12}  ({est.parameters:,} on this "
         "rank)",

@@ -1,4 +1,5 @@
-"""Paired differences between two evaluations of the same sequences, with their 95% intervals.
+"""95% intervals, in one place: the t interval of a mean (`mean_interval`, and `mean_std`), and
+the paired differences between two evaluations of the same sequences (`paired_delta`).
 
 Each sequence i has a summed loss S_i (scheme) and B_i (baseline) over its n_i scored tokens.
 The reported difference is the per-token one, exactly the difference of the two mean losses:
@@ -17,7 +18,7 @@ per-sequence differences are heavy-tailed or few, it is the one to read.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 from scipy import stats
@@ -67,8 +68,18 @@ def token_quantiles(per_token_diff: np.ndarray,
     return {f"q{q:g}": float(v) for q, v in zip(quantiles, values)}
 
 
+def mean_std(values: Sequence[float]) -> Dict[str, Optional[float]]:
+    """Mean and sample standard deviation (n - 1); mean None without values, std None below
+    two."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return {"mean": None, "std": None}
+    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if v.size > 1 else None}
+
+
 def mean_interval(values: Sequence[float]) -> Dict[str, object]:
-    """Mean and t interval of paired per-unit differences (e.g. per micro-batch)."""
+    """Mean and t interval (Student's t, n - 1 degrees of freedom) of paired per-unit
+    differences (per micro-batch, per seed); the interval is NaN below two values."""
     v = np.asarray(values, dtype=np.float64)
     mean = float(v.mean())
     if v.size < 2:

@@ -1,0 +1,120 @@
+"""The start-up table of what is quantized: per site kind and GEMM, its formats and settings
+(printed at start-up, by --quant-check, and into capture run files)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+import dataclasses
+from typing import List, Optional
+
+from megatron.quantization.config import (
+    GEMMS, SITE_CONCERNS, SITE_KINDS, MatmulQuantConfig, QuantConfig)
+
+SITE_TITLES = MappingProxyType({"linear": "linear layers", "attn_qk": "attention QK^T",
+                                "attn_pv": "attention PV", "output_layer": "output layer"})
+OPERAND_NAMES = MappingProxyType({
+    "linear": (("input", "weight"), ("grad_output", "weight"), ("input", "grad_output")),
+    "output_layer": (("input", "weight"), ("grad_output", "weight"), ("input", "grad_output")),
+    "attn_qk": (("query", "key"), ("grad_scores", "key"), ("query", "grad_scores")),
+    "attn_pv": (("probs", "value"), ("grad_context", "value"), ("probs", "grad_context")),
+})
+# Settings the phrases of config_details already say; any other setting of a site concern
+# that differs from its default is listed as "<flag> <value>".
+_SAID = frozenset({("mx", "scale_mode"), ("mx", "grad_format"), ("hifp8", "scaling"),
+         ("hifp8", "saturate"), ("fp8", "format"), ("fp8", "recipe"), ("fp8", "margin"),
+         ("fp8", "amax_history_len"), ("fp8", "amax_compute_algo"), ("fp8", "pow2_scale")})
+
+
+def config_details(cfg: MatmulQuantConfig) -> str:
+    """The settings of a quantized site besides its formats, in a few words."""
+    formats = cfg.formats
+    details = []
+    if any(f.startswith("mx") for f in formats):
+        details.append(f"MX scale mode {cfg.mx.scale_mode}")
+    if "hifp8" in formats:
+        details.append("HiFP8 " + ("per-tensor scaling" if cfg.hifp8.scaling == "tensor"
+                                   else "unscaled"))
+    if any(f.startswith("fp8_") for f in formats):
+        fp8 = cfg.fp8
+        text = f"FP8 {fp8.scaling}"
+        if fp8.scaling == "delayed":
+            text += f" (amax history {fp8.amax_history_len}, {fp8.amax_compute_algo})"
+        if fp8.margin:
+            text += f", margin {fp8.margin:g}"
+        if fp8.power_of_two:
+            text += ", power-of-two scales"
+        details.append(text)
+    if any(cfg.weight_tiles(f) for f in formats):
+        details.append("weights in 2-D tiles")
+    if cfg.rht.gemms:
+        details.append(f"RHT {cfg.rht.block} on {'/'.join(cfg.rht.gemms)} (seed {cfg.rht.seed})")
+    if cfg.stochastic:
+        details.append("stochastic rounding of " + ", ".join(sorted(cfg.stochastic)))
+    details.extend(_other_settings(cfg))
+    return "; ".join(details)
+
+
+def _other_settings(cfg: MatmulQuantConfig) -> List[str]:
+    """'<flag> <value>' for every site-concern setting the phrases above do not cover and
+    whose value differs from its default (a setting added to config.py shows up here)."""
+    out = []
+    for concern in SITE_CONCERNS:
+        value = getattr(cfg, concern)
+        default = type(value)()
+        for f in dataclasses.fields(value):
+            if (concern, f.name) in _SAID or getattr(value, f.name) == getattr(default, f.name):
+                continue
+            name = f.metadata.get("flag") or f.metadata.get("recipe_key") or f.name
+            out.append(f"{name} {getattr(value, f.name)}")
+    return out
+
+
+def describe_site(kind: str, cfg: MatmulQuantConfig, title: str, indent: str = "  "):
+    """Lines describing one site's (or one recipe config's) GEMMs and settings."""
+    if not cfg.enabled:
+        return [f"{indent}{title:<15} high precision"]
+    lines = [f"{indent}{title:<15} {config_details(cfg)}"]
+    for gemm, (a, b) in zip(GEMMS, OPERAND_NAMES[kind]):
+        ops = getattr(cfg, gemm)
+        sr = {side for side in ("a", "b") if f"{gemm}.{side}" in cfg.stochastic}
+        mark = lambda side, fmt: fmt + (" (SR)" if side in sr and fmt != "none" else "")
+        lines.append(f"{indent}  {gemm:<6} {a}: {mark('a', ops.a):<16} {b}: {mark('b', ops.b)}")
+    return lines
+
+
+def describe_config(quant: QuantConfig, num_layers: Optional[int] = None) -> str:
+    """A readable per-GEMM table of what is quantized, for logs and --quant-check."""
+    lines = [f"quantization scheme: {quant.scheme}"]
+    if quant.recipe:
+        lines.append(f"  recipe: {quant.recipe}")
+    for kind in SITE_KINDS:
+        lines.extend(describe_site(kind, getattr(quant, kind), SITE_TITLES[kind]))
+    if quant.rules is not None:
+        lines.append(f"  recipe file {quant.rules.path}: its matchers choose the config of "
+                     "each site they match (table per site after the model is built):")
+        for key, cfg in quant.rules.configs.items():
+            lines.extend(describe_site("linear", cfg, f"config {key}", indent="    "))
+    if quant.backend.attention.impl != "auto":
+        lines.append(f"  attention implementation: {quant.backend.attention.impl}")
+    if quant.skip_layers:
+        layers = ", ".join(str(n) for n in sorted(quant.skip_layers))
+        lines.append(f"  layers kept in high precision: {layers}")
+    elif num_layers is not None:
+        lines.append(f"  applies to all {num_layers} transformer layers")
+    lines.extend(f"  note: {note}" for note in quant.notes)
+    return "\n".join(lines)
+
+
+def describe_sites(sites) -> str:
+    """One line per quantized GEMM site: its global path, its formats and settings (the
+    start-up table of recipe runs)."""
+    lines = ["quantized GEMM sites (fprop a/b, dgrad a/b, wgrad a/b):"]
+    for s in sites:
+        cfg = s.config
+        if not cfg.enabled:
+            lines.append(f"  {s.state.path:<48} high precision")
+            continue
+        formats = " | ".join(f"{getattr(cfg, g).a}/{getattr(cfg, g).b}" for g in GEMMS)
+        details = config_details(cfg)
+        lines.append(f"  {s.state.path:<48} {formats}" + (f"; {details}" if details else ""))
+    return "\n".join(lines)
