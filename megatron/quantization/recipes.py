@@ -109,18 +109,20 @@ def _check_keys(mapping, valid, where: str) -> None:
                           f"{', '.join(valid)}")
 
 
-def named_recipe(name: str, num_layers: int, seed: int):
-    """(linear config, default BF16 layers at (start, end)) of a named recipe."""
+def named_recipe(name: str, num_layers: int, seed: int, base: Optional[QuantSettings] = None):
+    """(linear config, default BF16 layers at (start, end)) of a named recipe; its site
+    concerns (MX scale rule, ..., how the GEMMs compute) are the run's settings `base`."""
+    concerns = {c: getattr(base or QuantSettings(), c) for c in SITE_CONCERNS}
     if name == "nvfp4":
         cfg = MatmulQuantConfig(
             fprop=OperandFormats("nvfp4", "nvfp4"), dgrad=OperandFormats("nvfp4", "nvfp4"),
             wgrad=OperandFormats("nvfp4", "nvfp4"), stochastic=STOCHASTIC_SLOTS["grad"],
-            rht=RhtSettings(("wgrad",), 16, seed), weight_2d=True)
+            rht=RhtSettings(("wgrad",), 16, seed), weight_2d=True, **concerns)
         return cfg, (0, nvfp4_bf16_layers_at_end(num_layers))
     cfg = MatmulQuantConfig(
         dgrad=OperandFormats("mxfp4", "mxfp4"), wgrad=OperandFormats("mxfp4", "mxfp4"),
         stochastic=frozenset({"dgrad.a", "dgrad.b", "wgrad.a", "wgrad.b"}),
-        rht=RhtSettings(("dgrad", "wgrad"), 64, seed))
+        rht=RhtSettings(("dgrad", "wgrad"), 64, seed), **concerns)
     return cfg, (0, 0)
 
 

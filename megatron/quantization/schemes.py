@@ -147,7 +147,7 @@ def resolve(settings: QuantSettings, num_layers: int, seed: int = 0) -> QuantCon
                      "weights have 2-D tiles")
     bf16_at = r.bf16_layers
     if r.recipe:
-        linear, recipe_bf16 = named_recipe(r.recipe, num_layers, seed)
+        linear, recipe_bf16 = named_recipe(r.recipe, num_layers, seed, settings)
         bf16_at = bf16_at if bf16_at is not None else recipe_bf16
     rules = None
     if r.recipe_file:

@@ -269,3 +269,16 @@ def test_the_run_is_labelled_by_what_chose_its_formats(tmp_path):
     assert label(["--quant-scheme", "FA_mxfp8", "--quant-recipe-file", path]) == (
         "FA_mxfp8_recipe_file", "--quant-scheme and --quant-recipe-file")
     assert label(["--quant-scheme", "linear_mxfp4"]) == ("linear_mxfp4", "--quant-scheme")
+
+
+def test_a_named_recipe_carries_the_runs_site_settings():
+    """The recipe decides formats, rounding, transforms and tiles; the settings of the
+    concerns every site carries (MX scale rule, HiFP8 and FP8 scaling, how the GEMMs compute)
+    are the run's, as for any scheme."""
+    from megatron.quantization.schemes import quant_config
+
+    plain = quant_config(["--quant-recipe", "mxfp4_rht_sr"], num_layers=4).linear
+    rceil = quant_config(["--quant-recipe", "mxfp4_rht_sr", "--mx-scale-mode", "rceil"],
+                         num_layers=4).linear
+    assert plain.mx.scale_mode == "floor" and rceil.mx.scale_mode == "rceil"
+    assert rceil.replace(mx=plain.mx) == plain
