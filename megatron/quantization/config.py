@@ -348,6 +348,14 @@ class GemmSettings(Settings):
     """How a quantized site's GEMMs compute with their operands, beyond the formats (per site:
     recipe-file configs may set these by their recipe keys)."""
 
+    backward_override: Optional[Literal["high_precision", "dequantized"]] = setting(
+        None, flag="--quant-backward-override", recipe_key="backward_override",
+        help="How the backward GEMMs (dgrad, wgrad) of quantized linear layers take their "
+             "operands, as TransformerEngine's recipe option backward_override: high_precision "
+             "(dY, W and X unquantized) or dequantized (the forward's dequantized X and W, not "
+             "quantized again along the other axis; dY unquantized). Default: every backward "
+             "GEMM quantizes its operands itself.")
+
 
 @dataclass(frozen=True)
 class RecipeSettings(Settings):

@@ -52,13 +52,14 @@ at +-32768 by default (config.hifp8.saturate), which differs from the plain cast
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron.quantization import randomness
-from megatron.quantization.config import MatmulQuantConfig
+from megatron.quantization.config import MatmulQuantConfig, OperandFormats
 from megatron.quantization.delayed_scaling import AmaxHistories
 from megatron.quantization.dispatch import fake_quantize
 from megatron.quantization.formats import (
@@ -133,6 +134,10 @@ class SiteState:
 
     def __init__(self, path: str, config: MatmulQuantConfig,
                  runtime: Optional[QuantRuntime] = None):
+        if config.gemm.backward_override == "dequantized" and "fprop" in config.rht.gemms:
+            raise ValueError(f"{path or 'a GEMM site'}: --quant-backward-override dequantized "
+                             "with a Hadamard transform on fprop: the backward GEMMs would take "
+                             "the rotated input; drop one of them")
         self.path = path
         self.runtime = runtime if runtime is not None else QuantRuntime()
         fp8 = config.fp8
@@ -277,10 +282,9 @@ def matmul_grads(a, b, grad_c, config: MatmulQuantConfig, observer=None, need_a:
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, config, observer, state, comm, fuse_wgrad):
-        # Only the local shard of a sequence-parallel input is kept; backward gathers it again.
-        ctx.save_for_backward(x, weight)
         ctx.config, ctx.observer, ctx.state = config, observer, state
         ctx.comm, ctx.fuse_wgrad = comm, fuse_wgrad
+        shard = x
         x, _ = comm.gather_input(x) if comm is not None else (x, None)
         x_in = x
         if "fprop" in config.rht.gemms:      # reduction over K: x's last axis, W's axis 1
@@ -288,6 +292,10 @@ class _QuantizedLinear(torch.autograd.Function):
         qx = gemm_operand(observer, config, "fprop", "input", "a", x_in, config.fprop.a,
                           x.dim() - 1, state=state)
         qw = _weight_operand(observer, config, "fprop", weight, 1, state)
+        # Only the local shard of a sequence-parallel input is kept (backward gathers it
+        # again), or the whole dequantized input the backward GEMMs take instead of it.
+        ctx.dequantized = config.gemm.backward_override == "dequantized"
+        ctx.save_for_backward(qx if ctx.dequantized else shard, weight)
         return gemm_result(observer, "fprop", "output", F.linear(qx, qw, bias))
 
     @staticmethod
@@ -298,7 +306,12 @@ class _QuantizedLinear(torch.autograd.Function):
         n, k = weight.shape
         grad_x = grad_w = grad_bias = None
         wait_x = wait_grad_x = None
-        if need_w and comm is not None:
+        w_operand = weight
+        if config.gemm.backward_override is not None:
+            if ctx.dequantized:           # the weight as fprop quantized it (cached)
+                w_operand = _weight_operand(None, config, "fprop", weight, 1, state)
+            config = _unquantized_backward(config)
+        if need_w and comm is not None and not ctx.dequantized:
             # The sequence-parallel input is gathered again while the dgrad GEMM runs.
             x, wait_x = comm.gather_input(x, async_op=True)
         if need_x:
@@ -308,7 +321,7 @@ class _QuantizedLinear(torch.autograd.Function):
                 g_in = _rotated(grad_y, grad_y.dim() - 1, config)
             qg = gemm_operand(observer, config, "dgrad", "grad_output", "a", g_in, config.dgrad.a,
                               grad_y.dim() - 1, state=state)
-            qw = _weight_operand(observer, config, "dgrad", weight, 0, state)
+            qw = _weight_operand(observer, config, "dgrad", w_operand, 0, state)
             grad_x = gemm_result(observer, "dgrad", "grad_input", torch.matmul(qg, qw))
             if comm is not None:
                 # Reduce-scattered (sequence parallel) or all-reduced while wgrad runs.
@@ -323,6 +336,13 @@ class _QuantizedLinear(torch.autograd.Function):
         if wait_grad_x is not None:
             wait_grad_x()
         return grad_x, grad_w, grad_bias, None, None, None, None, None
+
+
+def _unquantized_backward(config: MatmulQuantConfig) -> MatmulQuantConfig:
+    """`config` with dgrad and wgrad in high precision (no quantization, no Hadamard
+    transform): what --quant-backward-override leaves the backward GEMMs to do."""
+    return config.replace(dgrad=OperandFormats(), wgrad=OperandFormats(), rht=dataclasses.replace(
+        config.rht, gemms=tuple(g for g in config.rht.gemms if g == "fprop")))
 
 
 def _weight_grad(g2, x2, weight, config, observer, state, fuse: bool):
