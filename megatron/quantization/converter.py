@@ -117,8 +117,24 @@ def apply_quantization(model: torch.nn.Module, quant: QuantConfig) -> List[GemmS
             module.pv_site = site(f"{name}.pv", "attn_pv", layer)
             module.attention = quant.backend.attention
             sites.extend([module.qk_site, module.pv_site])
-    if quant.rules is not None and not quant.rules.matched and sites:
-        raise QuantizationError(
-            f"--quant-recipe-file {quant.rules.path}: no matcher matches any GEMM site of this "
-            f"model (site paths look like {sites[0].state.path})")
     return sites
+
+
+def check_recipe_matchers(quant: QuantConfig, sites: List[GemmSite],
+                          matched_elsewhere=()) -> None:
+    """A recipe file's enabled matchers each decide at least one GEMM site of the model: one
+    that decides none (a mistyped pattern, or one every site matches earlier) would leave the
+    sites it was written for in another format without a word. `matched_elsewhere`: the
+    matchers that decided sites of the model's other pipeline stages."""
+    rules = quant.rules
+    if rules is None:
+        return
+    matched = {s.state.path for s in sites} & set(rules.matched_by)
+    names = {rules.matched_by[path] for path in matched} | set(matched_elsewhere)
+    unmatched = rules.unmatched(names)
+    if unmatched:
+        example = sites[0].state.path if sites else "none"
+        raise QuantizationError(
+            f"--quant-recipe-file {rules.path}: matcher(s) {', '.join(unmatched)} decide no "
+            f"GEMM site of this model (a pattern that matches nothing, or only sites an earlier "
+            f"matcher takes; site paths look like {example})")

@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron.quantization.config import (
     GEMMS, RHT_BLOCKS, SITE_CONCERNS, STOCHASTIC_SLOTS, MatmulQuantConfig,
@@ -91,7 +93,7 @@ def _format(value, where: str) -> str:
 
 
 def _choice(value, valid, where: str):
-    if value not in valid:
+    if value not in valid or type(value) is not type(valid[0]):
         raise RecipeError(f"{where}: {value!r} is not one of {', '.join(map(str, valid))}")
     return value
 
@@ -204,45 +206,101 @@ def config_from_payload(payload: dict, where: str, base: QuantSettings, seed: in
 # Recipe files
 # --------------------------------------------------------------------------------------------
 
+# A recipe is a few dozen lines: anything larger is not one (and is never read whole).
+MAX_RECIPE_BYTES = 1 << 20
+
+
+def _unique_keys(pairs, where: str) -> dict:
+    """A mapping from (key, value) pairs; a key given twice is an error (YAML and JSON
+    parsers would keep the last in silence)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise RecipeError(f"{where}: {key!r} is given twice (a later one would silently "
+                              "replace the earlier)")
+        out[key] = value
+    return out
+
+
+def _yaml_loader(where: str):
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            self.flatten_mapping(node)
+            return _unique_keys(((self.construct_object(k, deep=deep),
+                                  self.construct_object(v, deep=deep))
+                                 for k, v in node.value), where)
+
+    return UniqueKeyLoader
+
+
 def _read_file(path: str) -> dict:
+    where = f"--quant-recipe-file {path}"
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise RecipeError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise RecipeError(f"{where}: not a regular file (a directory, FIFO or device); give a "
+                          "YAML or JSON file")
+    if info.st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{where}: {info.st_size:,} bytes, more than a recipe file's "
+                          f"{MAX_RECIPE_BYTES:,}")
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise RecipeError(f"--quant-recipe-file {path}: cannot read it ({exc.strerror or exc})") \
+            text = f.read(MAX_RECIPE_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{where}: cannot read it ({getattr(exc, 'strerror', None) or exc})") \
             from None
     try:
         if path.endswith(".json"):
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, where))
         else:
             import yaml
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader(where))     # safe: a SafeLoader
+    except RecipeError:
+        raise
     except Exception as exc:   # yaml.YAMLError, json.JSONDecodeError
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise RecipeError(f"--quant-recipe-file {path}: not valid "
+        raise RecipeError(f"{where}: not valid "
                           f"{'JSON' if path.endswith('.json') else 'YAML'} ({detail})") from None
     if not isinstance(data, dict):
-        raise RecipeError(f"--quant-recipe-file {path}: expected a mapping with 'configs' and "
+        raise RecipeError(f"{where}: expected a mapping with 'configs' and "
                           f"'matchers', got {type(data).__name__}")
     return data
 
 
 @dataclass
 class RecipeRules:
-    """A parsed recipe file: megatron-core's RecipeConfig and the resolved config per key."""
+    """A parsed recipe file: megatron-core's RecipeConfig, the resolved config per key, and
+    which of its enabled matchers (by name, in order) decided which sites."""
 
     path: str
     recipe: object                                 # megatron.core ... RecipeConfig
     configs: Dict[str, MatmulQuantConfig]
+    matcher_names: Tuple[str, ...] = ()            # the enabled matchers, in order
     matched: Dict[str, str] = field(default_factory=dict)   # site path -> config key
+    matched_by: Dict[str, str] = field(default_factory=dict)   # site path -> matcher name
 
     def match(self, path: str, layer_number: Optional[int]) -> Optional[Tuple[str, MatmulQuantConfig]]:
         from megatron.core.quantization.quant_config import MatchContext
-        key = self.recipe.match_to_config_key(MatchContext(path, layer_number))
+        context = MatchContext(path, layer_number)
+        key = self.recipe.match_to_config_key(context)
         if key is None:
             return None
         self.matched[path] = key
+        # The first enabled matcher that matches decides (megatron-core's rule).
+        for name, matcher in zip(self.matcher_names, self.recipe.matchers):
+            if matcher.match(context) is not None:
+                self.matched_by[path] = name
+                break
         return key, self.configs[key]
+
+    def unmatched(self, matched_names) -> List[str]:
+        """The enabled matchers that decide no site, given the names that matched anywhere
+        (over every pipeline stage)."""
+        return [name for name in self.matcher_names if name not in set(matched_names)]
 
 
 def load_recipe_file(path: str, base: Optional[QuantSettings] = None, seed: int = 0,
@@ -262,6 +320,9 @@ def load_recipe_file(path: str, base: Optional[QuantSettings] = None, seed: int 
     for name, matcher in matchers.items():
         mwhere = f"{where}: matcher {name}"
         _check_keys(matcher, ("config", "type", "pattern", "enabled"), mwhere)
+        if not isinstance(matcher.get("enabled", False), bool):
+            raise RecipeError(f"{mwhere}.enabled: expected true or false, got "
+                              f"{matcher['enabled']!r}")
         for key in ("config", "type", "pattern"):
             if key not in matcher:
                 raise RecipeError(f"{mwhere}: missing '{key}'")
@@ -278,7 +339,8 @@ def load_recipe_file(path: str, base: Optional[QuantSettings] = None, seed: int 
     if not any(m.get("enabled", False) for m in matchers.values()):
         raise RecipeError(f"{where}: every matcher is disabled (megatron-core's default is "
                           "enabled: false; add enabled: true)")
-    return RecipeRules(path, RecipeConfig.from_config_dict(data), resolved)
+    names = tuple(name for name, m in matchers.items() if m.get("enabled", False))
+    return RecipeRules(path, RecipeConfig.from_config_dict(data), resolved, names)
 
 
 _LAYER_PATH = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")

@@ -31,7 +31,8 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron.training.errors import ConfigError
-from megatron.quantization.converter import QuantizationError, apply_quantization
+from megatron.quantization.converter import (
+    QuantizationError, apply_quantization, check_recipe_matchers)
 from megatron.quantization.layers import set_wgrad_fusion
 from megatron.quantization.local_attention import LocalDotProductAttention
 from megatron.quantization.config import QuantConfig
@@ -155,3 +156,26 @@ def build_gpt_model(args, config: TransformerConfig, quant_config: QuantConfig,
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied embedding and output weight counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def check_recipe_file_matchers(model, quant_config: QuantConfig) -> None:
+    """Every enabled matcher of a recipe file decides a site on some pipeline stage (the
+    names are gathered over the pipeline-parallel group); ConfigError naming the others."""
+    rules = quant_config.rules
+    if rules is None:
+        return
+    from megatron.core import parallel_state
+
+    names = sorted({rules.matched_by[s.state.path] for s in model.quant_sites
+                    if s.state.path in rules.matched_by})
+    elsewhere = [names]
+    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized() \
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        group = parallel_state.get_pipeline_model_parallel_group()
+        elsewhere = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(elsewhere, names, group=group)
+    try:
+        check_recipe_matchers(quant_config, model.quant_sites,
+                              {name for part in elsewhere for name in part})
+    except QuantizationError as exc:
+        raise ConfigError(str(exc)) from None

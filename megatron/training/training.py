@@ -50,6 +50,7 @@ from megatron.training.initialize import (
 )
 from megatron.training.model import (
     build_gpt_model,
+    check_recipe_file_matchers,
     core_transformer_config_from_args,
     count_parameters,
 )
@@ -139,6 +140,7 @@ def setup_model_and_optimizer(args):
         args, config, args.quant_config,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage())
+    check_recipe_file_matchers(model, args.quant_config)
     raw_model = model
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

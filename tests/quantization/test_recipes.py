@@ -1,10 +1,11 @@
 """FP4/FP8 recipes as flags and files: what each resolves to, and every mistake one line."""
 
 import json
+import os
 
 import pytest
 
-from megatron.quantization.config import OperandFormats
+from megatron.quantization.config import OperandFormats, SettingError
 from megatron.quantization.describe import describe_config
 from megatron.quantization.recipes import global_module_path, nvfp4_bf16_layers_at_end
 from megatron.training.arguments import ConfigError, parse_args, validate_args
@@ -282,3 +283,87 @@ def test_a_named_recipe_carries_the_runs_site_settings():
                          num_layers=4).linear
     assert plain.mx.scale_mode == "floor" and rceil.mx.scale_mode == "rceil"
     assert rceil.replace(mx=plain.mx) == plain
+
+
+def _recipe_error(tmp_path, text, name="recipe.yaml"):
+    from megatron.quantization.schemes import quant_config
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(SettingError) as info:
+        quant_config(["--quant-recipe-file", str(path)], num_layers=2)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"--quant-recipe-file {path}"), message
+    return message
+
+
+MATCHER = "matchers:\n  m: {config: c, type: glob, pattern: '*', enabled: true}\n"
+
+
+def test_recipe_values_of_the_wrong_type_are_one_line(tmp_path):
+    """Values YAML reads as another type than the setting's are refused at start-up, not at
+    the first GEMM."""
+    cases = {"fp8_margin: .nan": "fp8_margin", "fp8_margin: abc": "fp8_margin",
+             "fp8_pow2_scale: 'no'": "fp8_pow2_scale",
+             "fp8_amax_history_len: 1000000000": "fp8_amax_history_len",
+             "wgrad: {format: nvfp4, rht: 16.0}": "wgrad.rht",
+             "scale_mode: ceiling": "scale_mode"}
+    for line, key in cases.items():
+        message = _recipe_error(tmp_path, f"configs:\n  c: {{format: mxfp8, {line}}}\n" + MATCHER)
+        assert f"configs.c.{key}" in message, (line, message)
+
+
+def test_matcher_enabled_must_be_a_boolean(tmp_path):
+    message = _recipe_error(tmp_path, "configs:\n  c: {format: mxfp8}\nmatchers:\n"
+                                      "  m: {config: c, type: glob, pattern: '*', "
+                                      "enabled: 'false'}\n")
+    assert "matcher m.enabled: expected true or false, got 'false'" in message
+
+
+def test_keys_given_twice_are_refused_in_yaml_and_json(tmp_path):
+    yaml_text = ("configs:\n  c: {format: mxfp8}\nmatchers:\n"
+                 "  m: {config: c, type: glob, pattern: '*fc1', enabled: true}\n"
+                 "  m: {config: c, type: glob, pattern: '*fc2', enabled: true}\n")
+    assert "'m' is given twice" in _recipe_error(tmp_path, yaml_text)
+    json_text = ('{"configs": {"c": {"format": "mxfp8", "format": "mxfp4"}}, "matchers": '
+                 '{"m": {"config": "c", "type": "glob", "pattern": "*", "enabled": true}}}')
+    assert "'format' is given twice" in _recipe_error(tmp_path, json_text, "recipe.json")
+
+
+def test_a_recipe_file_that_is_not_a_regular_file_or_too_large_is_one_line(tmp_path):
+    """A FIFO would block the reader forever and /dev/zero would read without bound."""
+    from megatron.quantization.recipes import MAX_RECIPE_BYTES
+    from megatron.quantization.schemes import quant_config
+
+    fifo = tmp_path / "recipe.yaml"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero", str(tmp_path)):
+        with pytest.raises(SettingError, match="not a regular file"):
+            quant_config(["--quant-recipe-file", path], num_layers=2)
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * (MAX_RECIPE_BYTES + 1))
+    with pytest.raises(SettingError, match="more than a recipe file's"):
+        quant_config(["--quant-recipe-file", str(big)], num_layers=2)
+
+
+def test_matchers_that_decide_no_site_are_named_across_pipeline_stages(tmp_path):
+    """A matcher counts when it decides a site on any pipeline stage: the check takes the
+    names other stages matched."""
+    from megatron.quantization.converter import QuantizationError, check_recipe_matchers
+    from megatron.quantization.schemes import quant_config
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text("configs:\n  hp: {format: none}\n  c: {format: mxfp8}\nmatchers:\n"
+                    "  last: {config: hp, type: glob, pattern: 'decoder.layers.3.*', "
+                    "enabled: true}\n"
+                    "  rest: {config: c, type: glob, pattern: '*linear_*', enabled: true}\n")
+    quant = quant_config(["--quant-recipe-file", str(path)], num_layers=4)
+    assert quant.rules.matcher_names == ("last", "rest")
+    quant.for_site("linear", 1, "decoder.layers.0.mlp.linear_fc1")
+    quant.for_site("linear", 4, "decoder.layers.3.mlp.linear_fc1")
+    assert quant.rules.matched_by == {"decoder.layers.0.mlp.linear_fc1": "rest",
+                                      "decoder.layers.3.mlp.linear_fc1": "last"}
+    assert quant.rules.unmatched({"rest"}) == ["last"]
+    check_recipe_matchers(quant, [], matched_elsewhere={"last", "rest"})
+    with pytest.raises(QuantizationError, match=r"matcher\(s\) last decide no GEMM site"):
+        check_recipe_matchers(quant, [], matched_elsewhere={"rest"})

@@ -153,7 +153,14 @@ def test_recipe_file_run_and_a_file_that_matches_nothing(tmp_path):
     path.write_text("configs:\n  fp4: {format: nvfp4}\n"
                     "matchers:\n  x: {config: fp4, type: glob, pattern: 'encoder.*', "
                     "enabled: true}\n")
-    with pytest.raises(ConfigError, match="no matcher matches any GEMM site"):
+    with pytest.raises(ConfigError, match=r"matcher\(s\) x decide no GEMM site of this model"):
+        train(["--quant-recipe-file", str(path)], iters=1)
+    # A dead matcher next to a live one: the layer it was meant to keep in BF16 would not be.
+    path.write_text("configs:\n  fp4: {format: nvfp4}\n  hp: {format: none}\n"
+                    "matchers:\n"
+                    "  last: {config: hp, type: glob, pattern: 'decoder.layer.1.*', enabled: true}\n"
+                    "  all: {config: fp4, type: glob, pattern: '*linear_*', enabled: true}\n")
+    with pytest.raises(ConfigError, match=r"matcher\(s\) last decide no GEMM site"):
         train(["--quant-recipe-file", str(path)], iters=1)
 
 
