@@ -77,7 +77,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.quantization import dispatch
 from megatron.quantization.config import AttentionSettings, MatmulQuantConfig
 from megatron.quantization.gemm import (
-    SiteState, gemm_operand, gemm_result, quantize_slot, quantized_matmul, whole_tensor_scale)
+    SiteState, gemm_operand, gemm_product, gemm_result, quantize_slot, quantized_matmul,
+    whole_tensor_scale)
 from megatron.quantization.local_attention import LocalDotProductAttention
 from megatron.quantization.observers import GemmSite, accepts_pieces, observer_for
 
@@ -292,7 +293,8 @@ class _Gemms:
         qa = gemm_operand(observer, cfg, "fprop", "a", "a", q_c, cfg.fprop.a, 2, scales,
                           self.qk_state)
         kb = k_fprop.use(observer)
-        return gemm_result(observer, "fprop", "output", torch.matmul(qa, kb[..., :keys]))
+        return gemm_result(observer, "fprop", "output",
+                           gemm_product(cfg, "fprop", qa, kb[..., :keys]))
 
     def context(self, probs, v_fprop: _Shared, scales, observer=None):
         """P_c @ V (fprop of PV for one chunk), over all keys."""
@@ -301,7 +303,7 @@ class _Gemms:
                           self.pv_state)
         vb = v_fprop.use(observer)
         return gemm_result(observer, "fprop", "output",
-                           torch.matmul(_pad_keys(pa, vb.size(-2)), vb))
+                           gemm_product(cfg, "fprop", _pad_keys(pa, vb.size(-2)), vb))
 
     def probs_grad(self, grad_c, keys: int, v_dgrad: _Shared, scales, observer=None,
                    state=None):
@@ -311,7 +313,7 @@ class _Gemms:
                           scales, state)
         vb = v_dgrad.use(observer, state)
         return gemm_result(observer, "dgrad", "grad_a",
-                           torch.matmul(qg, vb[:, :keys].transpose(-1, -2)))
+                           gemm_product(cfg, "dgrad", qg, vb[:, :keys].transpose(-1, -2)))
 
     def value_grad(self, probs, grad_c, scales, observer=None):
         """dV[:, :keys] contribution P_c^T @ dO_c (wgrad of PV for one chunk)."""
@@ -320,7 +322,8 @@ class _Gemms:
                           self.pv_state)
         qg = gemm_operand(observer, cfg, "wgrad", "grad_output", "b", grad_c, cfg.wgrad.b, 1,
                           scales, self.pv_state)
-        return gemm_result(observer, "wgrad", "grad_b", torch.matmul(pa.transpose(-1, -2), qg))
+        return gemm_result(observer, "wgrad", "grad_b",
+                           gemm_product(cfg, "wgrad", pa.transpose(-1, -2), qg))
 
     def query_grad(self, grad_scores, k_dgrad: _Shared, scales, observer=None):
         """dQ_c = dS_c @ K (dgrad of QK^T for one chunk), over all keys."""
@@ -329,7 +332,8 @@ class _Gemms:
                           2, scales, self.qk_state)
         kb = k_dgrad.use(observer)
         return gemm_result(observer, "dgrad", "grad_a",
-                           torch.matmul(_pad_keys(qg, kb.size(-1)), kb.transpose(-1, -2)))
+                           gemm_product(cfg, "dgrad", _pad_keys(qg, kb.size(-1)),
+                                        kb.transpose(-1, -2)))
 
     def key_grad(self, q_c, grad_scores, scales, observer=None):
         """dK^T[:, :, :keys] contribution Q_c^T @ dS_c (wgrad of QK^T for one chunk)."""
@@ -338,7 +342,8 @@ class _Gemms:
                           self.qk_state)
         qg = gemm_operand(observer, cfg, "wgrad", "grad_output", "b", grad_scores, cfg.wgrad.b,
                           1, scales, self.qk_state)
-        return gemm_result(observer, "wgrad", "grad_b", torch.matmul(qa.transpose(-1, -2), qg))
+        return gemm_result(observer, "wgrad", "grad_b",
+                           gemm_product(cfg, "wgrad", qa.transpose(-1, -2), qg))
 
 
 class _ChunkedAttention(torch.autograd.Function):

@@ -348,6 +348,30 @@ class GemmSettings(Settings):
     """How a quantized site's GEMMs compute with their operands, beyond the formats (per site:
     recipe-file configs may set these by their recipe keys)."""
 
+    accumulation_bits: Optional[int] = setting(
+        None, flag="--quant-accumulation-bits", recipe_key="accumulation_bits", minimum=1,
+        maximum=23, metavar="M",
+        help="Simulate a limited-precision GEMM accumulator (megatron/quantization/"
+             "accumulation.py): the partial sums of quantized sites' GEMMs keep M mantissa "
+             "bits, truncated toward zero after every --quant-accumulation-group products (13: "
+             "the ~14-bit accumulator DeepSeek-V3 measured on Hopper FP8 tensor cores). "
+             "Default: none (FP32 accumulation).")
+    accumulation_group: int = setting(
+        32, flag="--quant-accumulation-group", recipe_key="accumulation_group", minimum=1,
+        maximum=4096, metavar="K",
+        help="Products summed exactly before each truncation of the partial sum (one MMA "
+             "instruction's reduction; default 32).")
+    accumulation_promotion: int = setting(
+        0, flag="--quant-accumulation-promotion", recipe_key="accumulation_promotion",
+        minimum=0, metavar="N",
+        help="Promote the limited-precision partial sum into an FP32 accumulator every N "
+             "products, a multiple of the group (128: DeepSeek-V3's fix, TransformerEngine's "
+             "split accumulator); 0 (default): never.")
+    accumulation_gemms: Tuple[Gemm, ...] = setting(
+        GEMMS, flag="--quant-accumulation-gemms", recipe_key="accumulation_gemms", nargs="+",
+        metavar="GEMM",
+        help="The GEMMs whose accumulation --quant-accumulation-bits limits (default: fprop "
+             "dgrad wgrad; TransformerEngine chooses its split accumulator per GEMM).")
     backward_override: Optional[Literal["high_precision", "dequantized"]] = setting(
         None, flag="--quant-backward-override", recipe_key="backward_override",
         help="How the backward GEMMs (dgrad, wgrad) of quantized linear layers take their "
@@ -355,6 +379,16 @@ class GemmSettings(Settings):
              "(dY, W and X unquantized) or dequantized (the forward's dequantized X and W, not "
              "quantized again along the other axis; dY unquantized). Default: every backward "
              "GEMM quantizes its operands itself.")
+
+    def check(self) -> None:
+        if self.accumulation_promotion % self.accumulation_group:
+            raise SettingError(f"--quant-accumulation-promotion {self.accumulation_promotion}: "
+                               "0 or a multiple of --quant-accumulation-group "
+                               f"{self.accumulation_group}")
+
+    def limits(self, gemm: str) -> bool:
+        """Whether `gemm`'s accumulation is the limited-precision one."""
+        return self.accumulation_bits is not None and gemm in self.accumulation_gemms
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.quantization import randomness
+from megatron.quantization.accumulation import limited_precision_matmul
 from megatron.quantization.config import MatmulQuantConfig, OperandFormats
 from megatron.quantization.delayed_scaling import AmaxHistories
 from megatron.quantization.dispatch import fake_quantize
@@ -70,10 +71,37 @@ from megatron.quantization.runtime import QuantRuntime
 from megatron.quantization.tp_comm import TensorParallelComm
 
 __all__ = ["SiteState", "quantized_matmul", "quantized_linear", "matmul_grads",
-           "format_options", "quantize_operand", "quantize_slot", "gemm_operand", "gemm_result",
+           "format_options", "quantize_operand", "quantize_slot", "gemm_product", "gemm_operand", "gemm_result",
            "whole_tensor_scale"]
 
 Observer = Callable[..., None]
+
+
+def gemm_product(config: MatmulQuantConfig, gemm: str, a: torch.Tensor, b: torch.Tensor,
+                 fp32: bool = False) -> torch.Tensor:
+    """a @ b as the `gemm` of a site computes it: on a limited-precision accumulator where the
+    config asks (accumulation.py; the float32 result then rounded to the operands' dtype, as
+    a GEMM's epilogue rounds it), else torch's GEMM. `fp32`: the float32 sum itself (the
+    fused weight-gradient accumulation's)."""
+    if not config.gemm.limits(gemm):
+        return fp32_product(a, b) if fp32 else torch.matmul(a, b)
+    g = config.gemm
+    out = limited_precision_matmul(a, b, g.accumulation_bits, g.accumulation_group,
+                                   g.accumulation_promotion)
+    return out if fp32 else out.to(torch.promote_types(a.dtype, b.dtype))
+
+
+def _linear(config: MatmulQuantConfig, x: torch.Tensor, weight: torch.Tensor, bias):
+    """F.linear(x, weight, bias) as the site's fprop computes it (the bias added to the
+    float32 sum before the rounding, as in a GEMM epilogue, on the limited accumulator)."""
+    if not config.gemm.limits("fprop"):
+        return F.linear(x, weight, bias)
+    g = config.gemm
+    out = limited_precision_matmul(x, weight.t(), g.accumulation_bits, g.accumulation_group,
+                                   g.accumulation_promotion)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
 def whole_tensor_scale(fmt: str, amax: torch.Tensor):
@@ -249,7 +277,7 @@ class _QuantizedMatmul(torch.autograd.Function):
                           scales, state)
         qb = gemm_operand(observer, config, "fprop", "b", "b", b, config.fprop.b, b.dim() - 2,
                           scales, state)
-        return gemm_result(observer, "fprop", "output", torch.matmul(qa, qb))
+        return gemm_result(observer, "fprop", "output", gemm_product(config, "fprop", qa, qb))
 
     @staticmethod
     def backward(ctx, grad_c):
@@ -269,13 +297,15 @@ def matmul_grads(a, b, grad_c, config: MatmulQuantConfig, observer=None, need_a:
                           grad_c.dim() - 1, scales, state)
         qb = gemm_operand(observer, config, "dgrad", "b", "b", b, config.dgrad.b, b.dim() - 1,
                           scales, state)
-        grad_a = gemm_result(observer, "dgrad", "grad_a", torch.matmul(qg, qb.transpose(-1, -2)))
+        grad_a = gemm_result(observer, "dgrad", "grad_a",
+                             gemm_product(config, "dgrad", qg, qb.transpose(-1, -2)))
     if need_b:
         qa = gemm_operand(observer, config, "wgrad", "a", "a", a, config.wgrad.a, a.dim() - 2,
                           scales, state)
         qg = gemm_operand(observer, config, "wgrad", "grad_output", "b", grad_c, config.wgrad.b,
                           grad_c.dim() - 2, scales, state)
-        grad_b = gemm_result(observer, "wgrad", "grad_b", torch.matmul(qa.transpose(-1, -2), qg))
+        grad_b = gemm_result(observer, "wgrad", "grad_b",
+                             gemm_product(config, "wgrad", qa.transpose(-1, -2), qg))
     return grad_a, grad_b
 
 
@@ -296,7 +326,7 @@ class _QuantizedLinear(torch.autograd.Function):
         # again), or the whole dequantized input the backward GEMMs take instead of it.
         ctx.dequantized = config.gemm.backward_override == "dequantized"
         ctx.save_for_backward(qx if ctx.dequantized else shard, weight)
-        return gemm_result(observer, "fprop", "output", F.linear(qx, qw, bias))
+        return gemm_result(observer, "fprop", "output", _linear(config, qx, qw, bias))
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -322,7 +352,8 @@ class _QuantizedLinear(torch.autograd.Function):
             qg = gemm_operand(observer, config, "dgrad", "grad_output", "a", g_in, config.dgrad.a,
                               grad_y.dim() - 1, state=state)
             qw = _weight_operand(observer, config, "dgrad", w_operand, 0, state)
-            grad_x = gemm_result(observer, "dgrad", "grad_input", torch.matmul(qg, qw))
+            grad_x = gemm_result(observer, "dgrad", "grad_input",
+                                 gemm_product(config, "dgrad", qg, qw))
             if comm is not None:
                 # Reduce-scattered (sequence parallel) or all-reduced while wgrad runs.
                 grad_x, wait_grad_x = comm.reduce_input_grad(grad_x, async_op=need_w)
@@ -357,8 +388,10 @@ def _weight_grad(g2, x2, weight, config, observer, state, fuse: bool):
     qx = gemm_operand(observer, config, "wgrad", "input", "a", x2, config.wgrad.a, 0,
                       state=state)
     if not (fuse and accumulates_into_main_grad(weight)):
-        return gemm_result(observer, "wgrad", "grad_weight", torch.matmul(qg.t(), qx))
-    product = gemm_result(observer, "wgrad", "grad_weight", fp32_product(qg.t(), qx))
+        return gemm_result(observer, "wgrad", "grad_weight",
+                           gemm_product(config, "wgrad", qg.t(), qx))
+    product = gemm_result(observer, "wgrad", "grad_weight",
+                          gemm_product(config, "wgrad", qg.t(), qx, fp32=True))
     return add_to_main_grad(weight, product)
 
 

@@ -671,6 +671,9 @@ def unsupported_reason(qk_config, pv_config, dtype: torch.dtype, head_dim: int, 
         return f"head dims {head_dim}, {value_dim} (the kernels take up to {MAX_HEAD_DIM})"
     if qk_config.rht.gemms or pv_config.rht.gemms:
         return "the random Hadamard transform (linear layers only)"
+    if qk_config.gemm.accumulation_bits is not None or \
+            pv_config.gemm.accumulation_bits is not None:
+        return "a limited-precision accumulator (--quant-accumulation-bits; tl.dot sums in fp32)"
     for side in ("a", "b"):
         if not qk_config.reusable("fprop", side, getattr(qk_config.fprop, side)):
             return (f"QK^T fprop.{side} is not reproducible (stochastic or delayed scaling): "
