@@ -10,18 +10,21 @@ megatron.tensor_capture.load (weights_only=True).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.analysis.validation import check_manifest_item, check_run_file, check_summary_file
+from megatron.analysis.validation import (METADATA_FIELDS, check_manifest_item, check_run_file,
+                                         check_summary_file)
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture import load as capture_load
-from megatron.tensor_capture.format import MANIFEST_GLOB
+from megatron.tensor_capture.format import MANIFEST_GLOB, SCHEME_KEY, short_module_name
 
 log = logging.getLogger("megatron.analysis")
 
@@ -31,6 +34,21 @@ FORMAT_VERSIONS = capture_format.READABLE_VERSIONS
 UNFINISHED_RUN = "unfinished_run"              # problem kind
 INCOMPLETE_RUN = "incomplete run (killed?)"    # how reports name such a capture
 RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Problem kinds of a manifest that does not describe the records it lists: a line that
+# contradicts its record file, its file name, its manifest or its run file, and a line
+# listing a record another line already listed (counted once).
+MISMATCH = "manifest_mismatch"
+DUPLICATE_LINE = "duplicate_manifest_line"
+# The metadata a line is compared on with its record file: every documented key, the ones
+# that identify the record first (format, scheme, site, run and writer), so that a message
+# names them first.
+IDENTITY_KEYS = ("format", SCHEME_KEY, "layer_idx", "module", "tensor_name", "operation",
+                 "phase", "component", "gemm", "operand", "iteration", "micro_batch",
+                 "run_id", "rank", "counter")
+COMPARED_KEYS = IDENTITY_KEYS + tuple(sorted(
+    {f.path[1] for f in METADATA_FIELDS} - set(IDENTITY_KEYS)))
+_MANIFEST_RANK = re.compile(r"-rank(\d+)\.jsonl$")
+_EXPERT_INDEX = re.compile(r"^expert\d+_")
 
 
 class Problems:
@@ -68,6 +86,15 @@ class Entry:
     @property
     def path(self) -> Optional[str]:
         return None if not self.file else os.path.join(self.directory, self.file)
+
+    def keys(self) -> List[tuple]:
+        """What makes two lines the same record: its file, and the writer's (run, rank,
+        counter) where the line records them."""
+        m = self.metadata
+        keys = [("file", self.file)] if self.file else []
+        if all(m.get(k) is not None for k in ("run_id", "rank", "counter")):
+            keys.append(("record", str(m["run_id"]), m["rank"], m["counter"]))
+        return keys
 
 
 @dataclass
@@ -167,15 +194,34 @@ def read_capture(directory: str, problems: Problems) -> Capture:
             if summary.get("error"):
                 problems.add("run_error", f"{path}: the capture reported an error: "
                                           f"{summary['error']}")
+    run_schemes = {str(run["run_id"]): run.get(SCHEME_KEY) for run in capture.runs
+                   if run.get("run_id") is not None}
+    seen: Dict[tuple, str] = {}
     for path in capture_format.manifest_files(directory):
         if not os.path.exists(capture_format.summary_for_manifest(path)):
             _incomplete(capture, problems, f"{path} has no summary file, so the run did not end "
                                            "(killed, or still running); the records its "
                                            "manifest lists are complete, later ones are missing")
+        run_id = capture_format.manifest_run_id(path)
+        rank = _MANIFEST_RANK.search(os.path.basename(path))
+        rank = int(rank.group(1)) if rank else None
         for item in read_manifest_file(path, problems):
             entry = _entry(item, directory, capture.quant_scheme, problems)
-            if entry is not None:
-                capture.entries.append(entry)
+            if entry is None:
+                continue
+            why = line_mismatch(entry, run_id, rank, run_schemes)
+            if why is not None:
+                problems.add(MISMATCH, f"{entry.source}: {why}; record skipped")
+                continue
+            first = next((seen[key] for key in entry.keys() if key in seen), None)
+            if first is not None:
+                problems.add(DUPLICATE_LINE, f"{entry.source}: lists the record "
+                                             f"{entry.file or _identity(entry.metadata)} again "
+                                             f"(first listed at {first}); counted once")
+                continue
+            for key in entry.keys():
+                seen[key] = os.path.basename(entry.source)
+            capture.entries.append(entry)
     leftovers = capture_format.capture_files(directory, capture_format.TEMPORARY_GLOB)
     if leftovers:
         _incomplete(capture, problems, f"{directory} holds {len(leftovers)} temporary record "
@@ -236,6 +282,101 @@ def _entry(item: dict, directory: str, default_scheme: str, problems: Problems) 
         quant_scheme=str(metadata.get(capture_format.SCHEME_KEY) or default_scheme),
         directory=directory, file=file_name, bytes=item.get("bytes") or 0, metadata=metadata,
         tensor_info=item["tensor_info"], quant_error=item.get("quant_error"), source=source)
+
+
+def _identity(m: dict) -> str:
+    return f"of run {m.get('run_id')}, rank {m.get('rank')}, counter {m.get('counter')}"
+
+
+def line_mismatch(entry: Entry, run_id: Optional[str], rank: Optional[int],
+                  run_schemes: Dict[str, Optional[str]]) -> Optional[str]:
+    """Why a (valid) manifest line does not describe a record of the manifest it sits in, or
+    None: its run and rank against the manifest's name, its scheme against its run file,
+    its file name against its own metadata. Needs no record file (--manifest-only too)."""
+    m = entry.metadata
+    if m.get("run_id") is not None and run_id is not None and str(m["run_id"]) != run_id:
+        return (f"the line is of run {m['run_id']!r} but sits in the manifest of run "
+                f"{run_id!r} (lines copied from another capture?)")
+    if m.get("rank") is not None and rank is not None and m["rank"] != rank:
+        return (f"the line is of rank {m['rank']} but sits in the manifest of rank {rank} "
+                "(lines copied from another rank's manifest?)")
+    recorded = run_schemes.get(str(m.get("run_id", run_id)))
+    if m.get(SCHEME_KEY) is not None and recorded and m[SCHEME_KEY] != recorded:
+        return (f"the line says {SCHEME_KEY} {m[SCHEME_KEY]!r} but its run file says "
+                f"{recorded!r}")
+    if entry.file:
+        return file_name_mismatch(entry.file, m)
+    return None
+
+
+def expected_file_name(m: dict) -> Optional[Tuple[str, str, str]]:
+    """(prefix, module, suffix) of the file name the writer gives the record `m` describes
+    (format.record_file_name), or None when the line lacks the writer's fields. The module
+    part of a routed expert's name carries its global index, which the metadata does not."""
+    try:
+        world = int(m["world_size"])
+        prefix = (f"{m['run_id']}_{int(m['counter']):06d}_{m['layer_type']}_L{m['layer_idx']}_"
+                  f"{m['operation']}_{m['phase']}_{m['component']}_{m[SCHEME_KEY]}_"
+                  f"{m['tensor_name']}_")
+        suffix = (f"_it{m['iteration']}_mb{m['micro_batch']}"
+                  + (capture_format.rank_suffix(world, m["tp_rank"], m["pp_rank"], m["dp_rank"])
+                     if world > 1 else "") + ".pt")
+        return prefix, short_module_name(str(m["module"])), suffix
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def file_name_mismatch(file_name: str, m: dict) -> Optional[str]:
+    """Why `file_name` is not the name of the record `m` describes, or None."""
+    expected = expected_file_name(m)
+    if expected is None:
+        return None
+    prefix, module, suffix = expected
+    if file_name.startswith(prefix) and file_name.endswith(suffix) and \
+            len(file_name) > len(prefix) + len(suffix):
+        named = file_name[len(prefix):-len(suffix)]
+        if named == module or _EXPERT_INDEX.sub("expert#_", named) == \
+                _EXPERT_INDEX.sub("expert#_", module):
+            return None
+    return (f"file name {file_name} is not that of the record the line describes "
+            f"({prefix}{module}{suffix}): the line's file was edited or swapped")
+
+
+_ABSENT = "(absent)"
+
+
+def _normal(value):
+    """Metadata as JSON would carry it: tuples as lists, NaN as a comparable value."""
+    if isinstance(value, (list, tuple)):
+        return [_normal(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _normal(v) for k, v in value.items()}
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return value
+
+
+def _shown(value) -> str:
+    text = repr(value) if value is not _ABSENT else "absent"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def metadata_mismatch(record_metadata, line_metadata: dict) -> Optional[str]:
+    """Why a manifest line's metadata is not its record file's own, or None. Every key the
+    format documents is compared (the identifying ones first); the first three that differ
+    are named."""
+    if not isinstance(record_metadata, dict):
+        return "the record file holds no metadata to check its manifest line against"
+    differ = [key for key in COMPARED_KEYS
+              if _normal(record_metadata.get(key, _ABSENT))
+              != _normal(line_metadata.get(key, _ABSENT))]
+    if not differ:
+        return None
+    shown = "; ".join(f"{key} {_shown(line_metadata.get(key, _ABSENT))} vs "
+                      f"{_shown(record_metadata.get(key, _ABSENT))}" for key in differ[:3])
+    more = f" (and {len(differ) - 3} more field(s))" if len(differ) > 3 else ""
+    return (f"the manifest line does not match the record file's own metadata (line vs file): "
+            f"{shown}{more}; the manifest was edited, or record files were swapped or renamed")
 
 
 def _is_version(value) -> bool:

@@ -21,8 +21,8 @@ from megatron.analysis import forking
 from megatron.analysis.accumulators import Stats
 from megatron.analysis.hifp8 import (add_cast_histogram, add_grid_histogram, hifp8_scale_exponent,
                                     hifp8_seen_by_grid)
-from megatron.analysis.loading import (Entry, UnreadableRecord, check_record, finite_or_none,
-                                      load_record)
+from megatron.analysis.loading import (MISMATCH, Entry, UnreadableRecord, check_record,
+                                      finite_or_none, load_record, metadata_mismatch)
 from megatron.analysis.progress import Progress
 from megatron.analysis.ranges import format_ranges
 from megatron.analysis.summarize import summarize_manifest_only, summarize_tensors
@@ -107,8 +107,13 @@ def summarize_entry(entry: Entry, result: BatchResult, use_tensors: bool = True)
         if why:
             result.problems.append(_problem("bad_record", why))
             return
-        # The manifest line (validated) describes the record; its copy inside the file is the
-        # same dict as written.
+        # The manifest line (validated) must be the record's own metadata as written: a line
+        # edited by hand, or a record file swapped with another of the same shape, would
+        # otherwise put one record's numbers under another format or site.
+        why = metadata_mismatch(record.get("metadata"), m)
+        if why:
+            result.problems.append(_problem(MISMATCH, f"{entry.path}: {why}; record skipped"))
+            return
         axis, k = m.get("axis"), hifp8_scale_exponent(m)
         try:
             stats = summarize_tensors(record["tensor"], record.get("quantized") if fmt.quantized
