@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: %(default)s, relative to the working directory).")
     parser.add_argument("--workers", type=int, default=1,
                         help="Tokenizer worker processes for the .bin/.idx step.")
+    parser.add_argument("--tokenizer-model", type=str, default=None, metavar="PATH",
+                        help="Tokenize with this tokenizer.json instead of Llama 3's: the file, "
+                             "a directory holding one, or a checkpoint imported by "
+                             "tools/convert_hf.py (its tokenizer). Cached in "
+                             "{data-root}/{name}-tok{hash}/; the last line printed is the flags "
+                             "to add to a run.")
     parser.add_argument("--force", action="store_true",
                         help="Rebuild datasets that are already built (the old copy stays in "
                              "place until the new one is complete).")
@@ -50,6 +56,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     start = time.perf_counter()
     prefixes = []
+    if args.tokenizer_model is not None:
+        return _with_tokenizer(args, names, log, start)
     try:
         for name in names:
             if corpora.dataset_is_built(name, args.data_root) and not args.force:
@@ -64,6 +72,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     log(f"[corpus] done in {time.perf_counter() - start:.1f} s; train with:")
     for prefix in prefixes:
         print(f"  --data-path {prefix}", flush=True)
+    return 0
+
+
+def _with_tokenizer(args, names, log, start) -> int:
+    """--tokenizer-model: each dataset in that tokenizer; the last stdout line is the flags
+    of the last one, to paste into a run."""
+    flags = []
+    try:
+        for name in names:
+            prefix, tokenizer = corpora.ensure_tokenized_dataset(
+                name, args.tokenizer_model, args.data_root, workers=args.workers, log=log,
+                force=args.force)
+            flags.append(f"--data-path {prefix} --tokenizer-type HuggingFaceTokenizer "
+                         f"--tokenizer-model {tokenizer}")
+    except (corpora.CorpusError, TokenizerError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    log(f"[corpus] done in {time.perf_counter() - start:.1f} s; add to a run:")
+    for line in flags:
+        print(line, flush=True)
     return 0
 
 

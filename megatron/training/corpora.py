@@ -718,3 +718,99 @@ def ensure_bpe_dataset(name: str, vocab_size: int, data_root: Optional[os.PathLi
             tmp, name, vocab_size, dataset_dir(name, root), workers, log))
         _log_built(label, meta, outputs[0], time.perf_counter() - start, log)
     return outputs
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded datasets in a given tokenizer (build_corpus.py --tokenizer-model): a model's
+# own tokenizer.json, e.g. the one an imported checkpoint holds. Cached in
+# {root}/{name}-tok{sha256[:12] of the tokenizer.json}/ with a copy of the tokenizer.json.
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_tokenizer_json(tokenizer_model: os.PathLike) -> Path:
+    """The tokenizer.json `tokenizer_model` names: the file itself, a directory holding one,
+    or a checkpoint directory whose recorded tokenizer is a tokenizer.json."""
+    from megatron.training.model_args import recorded_model_args, recorded_tokenizer
+
+    path = Path(tokenizer_model)
+    if path.is_dir():
+        recorded = recorded_model_args(str(path))
+        tokenizer = recorded_tokenizer(recorded, str(path)) if recorded else None
+        if tokenizer is not None and tokenizer.get("tokenizer_type") != "HuggingFaceTokenizer":
+            raise CorpusError(f"--tokenizer-model {tokenizer_model}: the checkpoint records "
+                              f"--tokenizer-type {tokenizer['tokenizer_type']} (its model came "
+                              "without a tokenizer.json): nothing to tokenize with")
+        path = Path(tokenizer["tokenizer_model"]) if tokenizer else path / "tokenizer.json"
+    if not path.is_file():
+        raise CorpusError(f"--tokenizer-model {tokenizer_model}: no tokenizer.json there; pass "
+                          "a tokenizer.json, a directory holding one, or a checkpoint imported "
+                          "by tools/convert_hf.py")
+    return path
+
+
+def tokenized_dataset_dir(name: str, tokenizer_json: Path,
+                          data_root: Optional[os.PathLike] = None) -> Path:
+    return _root(data_root) / f"{name}-tok{file_sha256(tokenizer_json)[:12]}"
+
+
+def ensure_tokenized_dataset(name: str, tokenizer_model: os.PathLike,
+                             data_root: Optional[os.PathLike] = None, workers: int = 1,
+                             log: Callable[[str], None] = print,
+                             force: bool = False) -> Tuple[str, str]:
+    """(--data-path prefix, --tokenizer-model) of the dataset tokenized with the tokenizer.json
+    `tokenizer_model` names, building the base dataset and then this variant where needed."""
+    _check_name(name)
+    source = resolve_tokenizer_json(tokenizer_model)
+    root = _root(data_root)
+    ensure_embedded_dataset(name, root, workers=workers, log=log)
+    out_dir = tokenized_dataset_dir(name, source, root)
+    prefix, tokenizer_json = str(out_dir / f"{name}_text_document"), str(out_dir / "tokenizer.json")
+    built = lambda: all(os.path.isfile(p) for p in (  # noqa: E731
+        prefix + ".bin", prefix + ".idx", tokenizer_json, str(out_dir / "sources.json")))
+    if built() and not force:
+        log(f"[corpus] {out_dir.name!r} is already built (use --force to rebuild)")
+        return prefix, tokenizer_json
+    with _build_lock(root, out_dir.name):
+        if built() and not force:
+            return prefix, tokenizer_json
+        start = time.perf_counter()
+        log(f"[corpus] building {out_dir.name!r} (the {name} documents in {source}) in {out_dir}")
+        meta = _replace_atomically(root, out_dir.name, lambda tmp: _build_tokenized_into(
+            tmp, name, source, dataset_dir(name, root), workers, log))
+        _log_built(out_dir.name, meta, prefix, time.perf_counter() - start, log)
+    return prefix, tokenizer_json
+
+
+def _build_tokenized_into(out_dir: Path, name: str, source: Path, base_dir: Path, workers: int,
+                          log) -> Dict:
+    start = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer_json = out_dir / "tokenizer.json"
+    shutil.copyfile(source, tokenizer_json)
+    hf = HuggingFaceTokenizer(tokenizer_json)
+    jsonl = base_dir / f"{name}.jsonl"
+    tokenizer_args = {"tokenizer_type": "HuggingFaceTokenizer",
+                      "tokenizer_model": str(tokenizer_json), "vocab_size": None}
+    result = preprocess(str(jsonl), str(out_dir / name), tokenizer_args, json_keys=["text"],
+                        append_eod=True, workers=workers, log=log,
+                        log_interval=_progress_interval(base_dir))
+    prefix = result.outputs["text"]
+    meta = json.loads((base_dir / "sources.json").read_text(encoding="utf-8"))
+    meta.update({
+        "dataset": out_dir.name.split(".building-")[0].lstrip("."),
+        "derived_from": f"{name} (same documents, same order: {jsonl})",
+        "data_prefix": os.path.basename(prefix),
+        "documents": result.written["text"],
+        "tokens": result.tokens,
+        "tokenizer": {"type": hf.name, "model": f"tokenizer.json (a copy of {source})",
+                      "sha256": hf.sha256, "vocab_size": hf.vocab_size, "eod": hf.eod,
+                      "append_eod": True},
+        "files_sha256": {os.path.basename(prefix + ext): file_sha256(prefix + ext)
+                         for ext in (".bin", ".idx")},
+        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": round(time.perf_counter() - start, 2),
+    })
+    meta.pop("llama3_license_notice", None)
+    (out_dir / "sources.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n",
+                                          encoding="utf-8")
+    return meta

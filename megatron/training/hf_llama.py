@@ -31,7 +31,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,7 +42,9 @@ from megatron.training.errors import ConfigError, TrainingError
 from megatron.training.hf_llama_mapping import (
     DTYPE_NAMES, DTYPES, LlamaLayout, check_hf_tensors, hf_config_from_model_args, hf_tensors,
     megatron_tensors, model_args_from_hf)
-from megatron.training.model_args import HF_CONFIG_KEY, MODEL_ARGS_KEY, TOKENIZER_VOCAB_KEY
+from megatron.training.gguf_llama import GGUFModel, check_regular_file, is_gguf
+from megatron.training.model_args import (
+    HF_CONFIG_KEY, MODEL_ARGS_KEY, TOKENIZER_FILE, TOKENIZER_VOCAB_KEY)
 from megatron.training.tokenizer import vocab_size_with_padding
 
 CONFIG_FILE = "config.json"
@@ -68,10 +70,12 @@ def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, CONFIG_FILE)
     if not os.path.isdir(hf_dir):
         raise ConfigError(f"{hf_dir}: no such directory; pass a local HuggingFace model "
-                          "directory (config.json and *.safetensors; nothing is downloaded)")
-    if not os.path.isfile(path):
+                          "directory (config.json and *.safetensors; nothing is downloaded) "
+                          "or a .gguf file")
+    if not os.path.lexists(path):
         raise ConfigError(f"{path} is missing: pass a local HuggingFace model directory "
                           "(config.json and *.safetensors; nothing is downloaded)")
+    check_regular_file(path, "a local HuggingFace model directory's config.json")
     try:
         with open(path) as f:
             config = json.load(f)
@@ -111,7 +115,8 @@ class HFWeights:
     @staticmethod
     def _files(hf_dir: str) -> List[str]:
         index = os.path.join(hf_dir, INDEX_FILE)
-        if os.path.isfile(index):
+        if os.path.lexists(index):
+            check_regular_file(index, "the shards' index")
             try:
                 with open(index) as f:
                     names = sorted(set(json.load(f)["weight_map"].values()))
@@ -119,8 +124,9 @@ class HFWeights:
                 raise ConfigError(f"{index}: unreadable ({type(exc).__name__}: {exc})") from None
             for name in names:
                 if os.path.basename(name) != name or \
-                        not os.path.isfile(os.path.join(hf_dir, name)):
+                        not os.path.lexists(os.path.join(hf_dir, name)):
                     raise ConfigError(f"{index} lists {name!r}, which is not a file of {hf_dir}")
+                check_regular_file(os.path.join(hf_dir, name), "safetensors weights")
             return [os.path.join(hf_dir, name) for name in names]
         names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
         if not names:
@@ -128,6 +134,8 @@ class HFWeights:
             hint = (f" ({other[0]} is a pickle, which is not read: save the model with "
                     "transformers' save_pretrained, which writes safetensors)" if other else "")
             raise ConfigError(f"{hf_dir}: no *.safetensors weights{hint}")
+        for name in names:     # a FIFO would block the reader forever
+            check_regular_file(os.path.join(hf_dir, name), "safetensors weights")
         return [os.path.join(hf_dir, name) for name in names]
 
     def dtype(self, names) -> torch.dtype:
@@ -219,21 +227,147 @@ def _copy_into(model, tensors) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+# A record of what an import was made from, in the checkpoint directory (tools/evaluate.py
+# --load-hf compares it before reusing an import).
+SOURCE_FILE = "imported_from.json"
+
+
+def source_record(source: str) -> dict:
+    """The real path of an HF directory or .gguf file and the name, size and modification
+    time of each file an import reads."""
+    real = os.path.realpath(source)
+    if os.path.isdir(real):
+        names = sorted(n for n in os.listdir(real)
+                       if n in (CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE)
+                       or n.endswith(".safetensors"))
+        paths = [os.path.join(real, n) for n in names]
+    else:
+        paths = [real]
+    files = []
+    for path in paths:
+        st = os.stat(path)
+        files.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
+    return {"source": real, "files": files}
+
+
+def read_source_record(ckpt_dir: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(ckpt_dir, SOURCE_FILE)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+class _Source:
+    """An HF directory or a .gguf file: config, weights (shapes, dtype, read) and tokenizer."""
+
+    def __init__(self, source: str):
+        self.path = source
+        if is_gguf(source):
+            self.weights = GGUFModel(source)
+            self.config = self.weights.config
+            self.kind = f"GGUF ({_type_summary(self.weights.tensor_types)})"
+            self.tokenizer_text, self.tokenizer_what = self.weights.tokenizer_json()
+            return
+        if os.path.lexists(source) and not os.path.isdir(source):
+            check_regular_file(source, "a .gguf file or a HuggingFace model directory")
+            raise ConfigError(f"{source}: neither a directory nor a .gguf file; pass a local "
+                              "HuggingFace model directory (config.json and *.safetensors) "
+                              "or a llama.cpp .gguf file")
+        self.config = read_hf_config(source)
+        self.kind = "HuggingFace safetensors"
+        self.weights = None
+        tokenizer = os.path.join(source, TOKENIZER_FILE)
+        self.tokenizer_text, self.tokenizer_what = None, f"no {TOKENIZER_FILE} in {source}"
+        if os.path.lexists(tokenizer):
+            check_regular_file(tokenizer, f"the directory's {TOKENIZER_FILE}")
+            with open(tokenizer, encoding="utf-8") as f:
+                self.tokenizer_text = f.read()
+            self.tokenizer_what = f"{source}/{TOKENIZER_FILE}"
+
+    def open_weights(self):
+        if self.weights is None:
+            self.weights = HFWeights(self.path)
+        return self.weights
+
+    def close(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
+
+
+def _type_summary(types: Dict[str, str]) -> str:
+    counts: Dict[str, int] = {}
+    for name in types.values():
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} x{c}" for n, c in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _finite(read, where: str):
+    """`read` that refuses a tensor holding NaN or Inf (every loss would be nan)."""
+    def checked(name: str) -> torch.Tensor:
+        tensor = read(name)
+        bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
+        if bad:
+            raise ConfigError(f"{where}: tensor {name} holds {bad:,} NaN/Inf value(s) of "
+                              f"{tensor.numel():,}: not imported (every loss would be nan)")
+        return tensor
+    return checked
+
+
+def _tokenizer_record(source: _Source, vocab_size: int, log) -> Tuple[Optional[str], dict]:
+    """(tokenizer.json text to write or None, the tokenizer the checkpoint records)."""
+    from megatron.training.tokenizer import HuggingFaceTokenizer, TokenizerError
+
+    null = {"tokenizer_type": "NullTokenizer", "vocab_size": vocab_size - 1}
+    why = source.tokenizer_what
+    if source.tokenizer_text is not None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, TOKENIZER_FILE)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(source.tokenizer_text)
+            try:
+                size = HuggingFaceTokenizer(path).vocab_size
+            except TokenizerError as exc:
+                size, why = None, f"{source.tokenizer_what} unusable ({exc})"
+        if size == vocab_size:
+            return source.tokenizer_text, {"tokenizer_type": "HuggingFaceTokenizer",
+                                           "tokenizer_model": TOKENIZER_FILE}
+        if size is not None:
+            why = (f"{source.tokenizer_what} has {size:,} entries, the embedding "
+                   f"{vocab_size:,}")
+    log(f"note: {why}: the checkpoint records --tokenizer-type NullTokenizer --vocab-size "
+        f"{vocab_size - 1} ({vocab_size} entries with its end of document), enough for "
+        "--mock-data; data tokenized elsewhere needs its tokenizer flags")
+    return None, null
+
+
 def import_checkpoint(hf_dir: str, ckpt_dir: str, tensor_model_parallel_size: int = 1,
                       pipeline_model_parallel_size: int = 1,
                       make_vocab_size_divisible_by: int = 128, log=print) -> str:
-    """Import `hf_dir` into a new checkpoint directory `ckpt_dir`; returns the iter_* path.
-    ConfigError (one line) for a model or directory this converter cannot read."""
+    """Import `hf_dir` (a local HF directory or a .gguf file) into a new checkpoint directory
+    `ckpt_dir`; returns the iter_* path. ConfigError (one line) for a model or directory this
+    converter cannot read. The checkpoint records the model arguments, the tokenizer (its
+    tokenizer.json written beside the tracker, or NullTokenizer of the vocabulary's size) and
+    where it was imported from (SOURCE_FILE)."""
     from megatron.training import checkpointing
 
-    config = read_hf_config(hf_dir)
-    model_args, vocab_size = model_args_from_hf(config)
-    model_args["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     if os.path.exists(os.path.join(ckpt_dir, TRACKER_FILE)):
         raise ConfigError(f"{ckpt_dir} already holds a checkpoint ({TRACKER_FILE}); import "
                           "into a new or empty directory")
-    weights = HFWeights(hf_dir)
+    source = _Source(hf_dir)
     try:
+        try:
+            model_args, vocab_size = model_args_from_hf(source.config)
+        except ConfigError as exc:
+            if not is_gguf(hf_dir):
+                raise
+            raise ConfigError(str(exc).replace("config.json:", f"{hf_dir}: its metadata as "
+                                               "config.json:", 1)) from None
+        model_args["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+        weights = source.open_weights()
         padded = vocab_size_with_padding(vocab_size, make_vocab_size_divisible_by,
                                          tensor_model_parallel_size)
         layout = LlamaLayout.from_model_args(model_args, vocab_size, padded)
@@ -241,25 +375,49 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, tensor_model_parallel_size: in
         dtype = weights.dtype(layout.hf_shapes())
         model_namespace(model_args, dtype, tensor_model_parallel_size,
                         pipeline_model_parallel_size)           # the layout fits the shapes
+        tokenizer_text, tokenizer = _tokenizer_record(source, vocab_size, log)
         args = model_namespace(model_args, dtype)
         args.padded_vocab_size, args.tokenizer_vocab_size = padded, vocab_size
-        args.hf_config = config
+        args.hf_config = source.config
+        args.checkpoint_tokenizer = tokenizer
+        created = not os.path.exists(ckpt_dir)
         lock = run_lock.acquire(ckpt_dir, "CKPT_DIR")
         try:
             with one_process(args):
                 model = build_model(args)
-                _copy_into(model, megatron_tensors(lambda n: weights.read(n).to(dtype), layout))
+                read = _finite(lambda n: weights.read(n).to(dtype), hf_dir)
+                try:
+                    _copy_into(model, megatron_tensors(read, layout))
+                except ConfigError:
+                    if created:
+                        lock.release()
+                        import shutil
+
+                        shutil.rmtree(ckpt_dir, ignore_errors=True)
+                    raise
+                if tokenizer_text is not None:
+                    _write_text(os.path.join(ckpt_dir, TOKENIZER_FILE), tokenizer_text)
                 path = checkpointing.save_checkpoint(ckpt_dir, 0, model, None, None, args, 0,
                                                      log=log, weights_only=True)
+                _write_text(os.path.join(ckpt_dir, SOURCE_FILE),
+                            json.dumps(source_record(hf_dir), indent=1) + "\n")
         finally:
             lock.release()
     finally:
-        weights.close()
-    log(f"[convert] {hf_dir}: Llama, {layout.num_layers} layers, hidden {layout.hidden_size}, "
-        f"{layout.num_heads} heads / {layout.num_groups} KV groups, vocabulary {vocab_size} "
-        f"(padded to {padded} for TP={tensor_model_parallel_size}), {DTYPE_NAMES[dtype]} -> "
-        f"{path}")
+        source.close()
+    what = (f"tokenizer {source.tokenizer_what} -> {TOKENIZER_FILE}" if tokenizer_text
+            else f"NullTokenizer of {vocab_size} entries")
+    log(f"[convert] {hf_dir}: Llama ({source.kind}), {layout.num_layers} layers, hidden "
+        f"{layout.hidden_size}, {layout.num_heads} heads / {layout.num_groups} KV groups, "
+        f"vocabulary {vocab_size} (padded to {padded} for TP={tensor_model_parallel_size}), "
+        f"{DTYPE_NAMES[dtype]}, {what} -> {path}")
     return path
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def _stored_dtype(ckpt: str, name: str) -> torch.dtype:
@@ -278,6 +436,29 @@ def _existing_model(hf_dir: str) -> Optional[str]:
                  if n == CONFIG_FILE or n.endswith(".safetensors")), None)
 
 
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype, log) -> torch.Tensor:
+    """`tensor` in `dtype`; ConfigError where finite values would overflow to inf, one note
+    line where nonzero values flush to zero."""
+    out = tensor.to(dtype).contiguous()
+    if out.dtype == tensor.dtype or not tensor.is_floating_point():
+        return out
+    wide = tensor.float()
+    overflow = int((torch.isinf(out) & torch.isfinite(wide)).sum())
+    if overflow:
+        limit = torch.finfo(dtype).max
+        raise ConfigError(f"--dtype {DTYPE_NAMES[dtype]}: tensor {name} holds {overflow:,} "
+                          f"value(s) beyond its range (largest |value| "
+                          f"{float(wide.abs().max()):.4g} > {limit:.6g}): they would be "
+                          "written as inf; export in bfloat16 or float32")
+    flushed = int(((out == 0) & (wide != 0)).sum())
+    if flushed:
+        log(f"note: --dtype {DTYPE_NAMES[dtype]}: tensor {name}: {flushed:,} nonzero value(s) "
+            f"of {tensor.numel():,} below its smallest subnormal "
+            f"({torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps:.3g}) are "
+            "written as 0")
+    return out
+
+
 def export_checkpoint(ckpt_dir: str, hf_dir: str, dtype: Optional[torch.dtype] = None,
                       log=print) -> str:
     """Export the checkpoint `ckpt_dir`'s tracker names (verified as --load does) to `hf_dir`
@@ -285,6 +466,9 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, dtype: Optional[torch.dtype] =
     from megatron.training import checkpointing
 
     st = _safetensors()
+    if os.path.lexists(hf_dir) and not os.path.isdir(hf_dir):
+        raise ConfigError(f"{hf_dir} exists and is not a directory; export into a new or "
+                          "empty directory")
     clash = _existing_model(hf_dir)
     if clash is not None:
         raise ConfigError(f"{hf_dir} already holds a model ({clash}); export into a new or "
@@ -316,7 +500,7 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, dtype: Optional[torch.dtype] =
         model = build_model(args)
         checkpointing.load_checkpoint(ckpt_dir, found, model, None, None, args, log=log)
         state = model.state_dict()
-        tensors = {name: tensor.to(dtype).contiguous()
+        tensors = {name: _cast(name, tensor, dtype, log)
                    for name, tensor in hf_tensors(state.__getitem__, layout)}
     os.makedirs(hf_dir, exist_ok=True)
     weights_path = os.path.join(hf_dir, WEIGHTS_FILE)

@@ -33,6 +33,7 @@ hard-codes the rest (LLAMA3_ROPE_FIXED), so a config with other values is refuse
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
 
@@ -85,6 +86,15 @@ def _rope_settings(config: Mapping) -> Tuple[float, Optional[float]]:
     return theta, float(params["factor"])
 
 
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(float(value)) and float(value) > 0
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def model_args_from_hf(config: Mapping) -> Tuple[Dict[str, object], int]:
     """(model arguments by argument dest, vocabulary size) of the network a config.json
     describes; ConfigError (one line naming the field) for anything not representable."""
@@ -105,8 +115,28 @@ def model_args_from_hf(config: Mapping) -> Tuple[Dict[str, object], int]:
         raise _refuse("quantization_config", config["quantization_config"].get("quant_method"),
                       "quantized checkpoints are not read (export them in bf16 or fp32)")
     theta, factor = _rope_settings(config)
+    if not _positive_number(theta):
+        raise _refuse("rope_theta", theta, "must be a finite number > 0")
     if float(theta) != int(theta):
         raise _refuse("rope_theta", theta, "--rotary-base is an integer")
+    if factor is not None and not _positive_number(factor):
+        raise _refuse("rope_scaling.factor", factor, "must be a finite number > 0")
+    eps = config.get("rms_norm_eps", 1e-6)
+    if not _positive_number(eps) or float(eps) >= 1:
+        raise _refuse("rms_norm_eps", eps, "must be a finite number in (0, 1)")
+    for field in ("num_attention_heads", "hidden_size", "num_hidden_layers",
+                  "intermediate_size", "vocab_size"):
+        if field not in config:
+            raise _refuse(field, None, "missing")
+        if not _positive_int(config[field]):
+            raise _refuse(field, config[field], "must be a positive integer")
+    for field in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        if config.get(field) is not None and not _positive_int(config[field]):
+            raise _refuse(field, config[field], "must be a positive integer")
+    dropout = config.get("attention_dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) \
+            or not 0 <= float(dropout) < 1:
+        raise _refuse("attention_dropout", dropout, "must be a number in [0, 1)")
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     groups = int(config.get("num_key_value_heads") or heads)

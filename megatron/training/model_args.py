@@ -8,6 +8,14 @@ of the tokenizer it was made for. `parse_args` calls `recorded_model_args` and
 flags. Flags given that contradict the checkpoint's shapes still stop the load with
 `checkpointing.check_model_shape`'s error.
 
+A checkpoint made by an import (hf_llama.py: a HuggingFace directory or a .gguf file) also
+records its tokenizer under TOKENIZER_KEY: `--tokenizer-type HuggingFaceTokenizer` with the
+tokenizer.json written into the checkpoint directory (its path recorded relative to it), or
+`--tokenizer-type NullTokenizer --vocab-size V-1` where the model came without a usable
+tokenizer (V entries, enough for --mock-data). `take_model_args` takes it like a model flag
+when no tokenizer flag is given, so `--load CKPT_DIR` needs no tokenizer flags either; a run
+that loaded it records it again in its own checkpoints (with the file's absolute path).
+
 The common state is read here with weights_only=True and before --load verifies the checkpoint;
 a checkpoint that cannot be read here is left to those checks, which name the damage.
 """
@@ -48,6 +56,10 @@ TOKENIZER_VOCAB_KEY = "tokenizer_vocab_size"
 # The config.json an imported checkpoint came from (its token ids and other fields the model
 # arguments do not hold), kept by every later save of a run that loaded it.
 HF_CONFIG_KEY = "hf_config"
+# Within the recorded model args: the tokenizer of an imported checkpoint, and its file name.
+TOKENIZER_KEY = "tokenizer"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size")
 
 
 def model_shape(args) -> dict:
@@ -55,8 +67,27 @@ def model_shape(args) -> dict:
 
 
 def model_args(args) -> dict:
-    """The MODEL_ARGS values of `args` (validated), as a checkpoint records them."""
-    return {name: _copy(getattr(args, name, None)) for name in MODEL_ARGS}
+    """The MODEL_ARGS values of `args` (validated), as a checkpoint records them, with the
+    tokenizer of a run whose tokenizer came from an imported checkpoint
+    (args.checkpoint_tokenizer)."""
+    recorded = {name: _copy(getattr(args, name, None)) for name in MODEL_ARGS}
+    tokenizer = getattr(args, "checkpoint_tokenizer", None)
+    if isinstance(tokenizer, dict):
+        recorded[TOKENIZER_KEY] = dict(tokenizer)
+    return recorded
+
+
+def recorded_tokenizer(recorded: Dict[str, object], load_dir: str) -> Optional[dict]:
+    """The tokenizer flags (dest -> value) an imported checkpoint records, its tokenizer.json
+    made absolute against `load_dir`; None when it records none."""
+    tokenizer = recorded.get(TOKENIZER_KEY)
+    if not isinstance(tokenizer, dict) or tokenizer.get("tokenizer_type") is None:
+        return None
+    out = {k: v for k, v in tokenizer.items() if k in TOKENIZER_ARGS}
+    model = out.get("tokenizer_model")
+    if model is not None and not os.path.isabs(model):
+        out["tokenizer_model"] = os.path.abspath(os.path.join(load_dir, model))
+    return out
 
 
 def _copy(value):
@@ -98,6 +129,14 @@ def take_model_args(args, recorded: Dict[str, object], keep: Iterable[str]) -> L
             if getattr(args, name) != value:
                 setattr(args, name, value)
                 taken.append(name)
+    tokenizer = recorded_tokenizer(recorded, getattr(args, "load", None) or ".")
+    if tokenizer is not None and not keep & set(TOKENIZER_ARGS):
+        for name in TOKENIZER_ARGS:
+            value = tokenizer.get(name)
+            if hasattr(args, name) and getattr(args, name) != value:
+                setattr(args, name, value)
+                taken.append(name)
+        args.checkpoint_tokenizer = tokenizer    # recorded again by this run's checkpoints
     return taken
 
 
