@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Tuple
 
 from megatron.training.capture_arguments import add_tensor_args, validate_tensor_args
 from megatron.training.errors import ConfigError
@@ -30,7 +31,30 @@ from megatron.training.tokenizer import add_tokenizer_args
 
 __all__ = ["ConfigError", "build_parser", "parse_args", "validate_args", "format_args"]
 
-
+# Bounds of the settings that size memory (far above any real use; a value beyond them is a
+# typo, and would otherwise end in an allocation failure or a hang deep inside a step).
+MAX_SEQ_LENGTH = 1 << 20                  # tokens per sequence (Llama 3.1: 131,072)
+MAX_MICRO_BATCH_TOKENS = 1 << 24          # --micro-batch-size x --seq-length
+MAX_GLOBAL_BATCH_SIZE = 1 << 20           # sequences per step (Llama 3: 2,048 of 8,192)
+MAX_NUM_WORKERS = 256                     # data-loader processes per rank
+# The model's sizes (Llama 3.1 405B: 126 layers, hidden 16,384, FFN 53,248, 128 heads; the
+# largest vocabularies about 256 k); a model within them that still does not fit the machine
+# stops with one out-of-memory line while it is built.
+MODEL_SIZE_LIMITS = {
+    "num_layers": 1 << 10, "hidden_size": 1 << 17, "ffn_hidden_size": 1 << 20,
+    "num_attention_heads": 1 << 12, "num_query_groups": 1 << 12, "kv_channels": 1 << 14,
+    "num_experts": 1 << 12, "moe_ffn_hidden_size": 1 << 20, "moe_router_topk": 1 << 12,
+    "moe_shared_expert_intermediate_size": 1 << 20, "q_lora_rank": 1 << 17,
+    "kv_lora_rank": 1 << 17, "qk_head_dim": 1 << 14, "qk_pos_emb_head_dim": 1 << 14,
+    "v_head_dim": 1 << 14, "vocab_size": 1 << 24, "make_vocab_size_divisible_by": 1 << 16,
+}
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60         # a week (a timedelta of more overflows in gloo)
+# The largest finite float32: optimizer scalars derived from a learning rate must fit it.
+FLOAT32_MAX = 3.4028234663852886e38
+# numpy seeds are < 2**32, and pipeline stage p seeds its generators with --seed + 100 p
+# (initialize.PIPELINE_SEED_STRIDE; not imported here: flag errors come before megatron-core).
+SEED_LIMIT = 1 << 32
+PIPELINE_SEED_STRIDE = 100
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,6 +560,99 @@ def _check_writable_dir(flag: str, path: str) -> None:
                           "choose a directory you can write to") from None
 
 
+def _flag_of(dest: str) -> str:
+    """The command-line flag of an argparse dest ('layernorm_epsilon' -> '--norm-epsilon')."""
+    for action in build_parser()._actions:
+        if action.dest == dest and action.option_strings:
+            return action.option_strings[0]
+    return "--" + dest.replace("_", "-")
+
+
+def _check_finite(args) -> None:
+    """Every number given is finite: argparse's float() takes 'nan' and 'inf', which would
+    slip through every comparison below (nan < x is False) into the model or the optimizer."""
+    for dest, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{_flag_of(dest)} {value}: not a finite number; give a finite "
+                              "value (see --help for its range)")
+
+
+def _check_range(flag: str, value, low, high, what: str, low_open: bool = False,
+                 high_open: bool = False) -> None:
+    """ConfigError naming the flag, its value and the valid range unless low <(=) value <(=)
+    high (None: unbounded on that side)."""
+    ok = (low is None or (value > low if low_open else value >= low)) and \
+        (high is None or (value < high if high_open else value <= high))
+    if not ok:
+        left = "" if low is None else f"{_number(low)} {'<' if low_open else '<='} "
+        right = "" if high is None else f" {'<' if high_open else '<='} {_number(high)}"
+        raise ConfigError(f"{flag} {_number(value)} is out of range; valid: {left}{flag}"
+                          f"{right} ({what})")
+
+
+def _number(value) -> str:
+    """An int as it is typed, a float in the shortest form that reads back the same."""
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
+
+
+def _max_learning_rate(args) -> Tuple[float, str]:
+    """The largest learning rate whose optimizer scalars fit float32, and why: Adam's first
+    step size is lr / (1 - beta1), AdamW multiplies by 1 - lr x weight decay, SGD adds
+    -lr x grad."""
+    factor, why = 1.0, "the optimizer's update multiplies by it in float32"
+    if args.optimizer == "adam" and 1.0 / (1.0 - args.adam_beta1) > factor:
+        factor = 1.0 / (1.0 - args.adam_beta1)
+        why = (f"Adam's first step size, lr / (1 - --adam-beta1 {args.adam_beta1:g}), must be "
+               "a float32")
+    if args.weight_decay > factor:
+        factor = args.weight_decay
+        why = f"lr x --weight-decay {args.weight_decay:g} must be a float32"
+    return FLOAT32_MAX / factor, why
+
+
+def _check_optimizer_numbers(args) -> None:
+    """The optimizer's and the schedule's numbers, in the ranges torch accepts (beyond them
+    torch raises at the first step) and with learning rates whose float32 scalars do not
+    overflow ('value cannot be converted to type float without overflow' inside Adam)."""
+    _check_range("--adam-beta1", args.adam_beta1, 0, 1, "Adam's beta1", high_open=True)
+    _check_range("--adam-beta2", args.adam_beta2, 0, 1, "Adam's beta2", high_open=True)
+    _check_range("--adam-eps", args.adam_eps, 0, None, "added to Adam's denominator")
+    _check_range("--weight-decay", args.weight_decay, 0, None, "0 disables it")
+    _check_range("--clip-grad", args.clip_grad, 0, None, "0 disables clipping")
+    highest, why = _max_learning_rate(args)
+    _check_range("--lr", args.lr, 0, highest, f"a learning rate; {why}")
+    _check_range("--min-lr", args.min_lr, 0, None, "the floor of the schedule, at most --lr")
+    _check_range("--lr-warmup-init", args.lr_warmup_init, 0, None,
+                 "where the warm-up starts, at most --lr")
+    if args.lr_warmup_fraction is not None:
+        _check_range("--lr-warmup-fraction", args.lr_warmup_fraction, 0, 1,
+                     "a fraction of --lr-decay-iters", high_open=True)
+    if args.loss_scale is not None:
+        _check_range("--loss-scale", args.loss_scale, 0, FLOAT32_MAX,
+                     "a static fp16 loss scale", low_open=True)
+    _check_range("--initial-loss-scale", args.initial_loss_scale, 0, FLOAT32_MAX,
+                 "the first dynamic fp16 loss scale", low_open=True)
+
+
+def _check_model_numbers(args) -> None:
+    """The model's sizes within MODEL_SIZE_LIMITS; its probabilities, standard deviations and
+    fractions in their ranges (beyond them torch raises at the first forward)."""
+    for dest, limit in MODEL_SIZE_LIMITS.items():
+        value = getattr(args, dest, None)
+        if value is not None and not isinstance(value, bool):
+            _check_range(_flag_of(dest), value, 1, limit, "a model size; larger ones are "
+                         "typos that would exhaust the memory while the model is built")
+    for dest in ("attention_dropout", "hidden_dropout"):
+        _check_range(_flag_of(dest), getattr(args, dest), 0, 1, "a dropout probability")
+    _check_range("--init-method-std", args.init_method_std, 0, None,
+                 "the standard deviation of the initial weights")
+    _check_range("--rotary-percent", args.rotary_percent, 0, 1,
+                 "the fraction of each head's dimensions that rotate", low_open=True)
+    _check_range("--norm-epsilon", args.layernorm_epsilon, 0, None,
+                 "added to the normalization's variance")
+    _check_range("--rotary-base", args.rotary_base, 0, None, "rope theta", low_open=True)
+
+
 def _default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     if swiglu:
         # Keep the parameter count of a 4h GeLU MLP with three matrices; round to 64.
@@ -545,6 +662,7 @@ def _default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
 
 def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argparse.Namespace:
     """Derive dependent values in place and reject impossible combinations (ConfigError)."""
+    _check_finite(args)
     # Model shape.
     for flag in ("num_layers", "hidden_size", "num_attention_heads"):
         _require(getattr(args, flag) is not None,
@@ -553,6 +671,11 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         _require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be positive, "
                                           f"got {getattr(args, flag)}")
+    _check_range("--seq-length", args.seq_length, 1, MAX_SEQ_LENGTH, "tokens per sequence")
+    if args.max_position_embeddings is not None:
+        _check_range("--max-position-embeddings", args.max_position_embeddings, 1,
+                     MAX_SEQ_LENGTH, "positions the model supports")
+    _check_model_numbers(args)
     if args.kv_channels is None:
         _require(args.hidden_size % args.num_attention_heads == 0,
                  f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
@@ -626,9 +749,17 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
     # Batch sizes.
     _require(args.micro_batch_size is not None and args.micro_batch_size > 0,
              "--micro-batch-size is required and must be positive")
+    tokens = args.micro_batch_size * args.seq_length
+    _require(tokens <= MAX_MICRO_BATCH_TOKENS,
+             f"--micro-batch-size {args.micro_batch_size} x --seq-length {args.seq_length} = "
+             f"{tokens:,} tokens per micro-batch is out of range; valid: at most "
+             f"{MAX_MICRO_BATCH_TOKENS:,} (lower --micro-batch-size: more micro-batches keep "
+             "the global batch)")
     dp_batch = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = dp_batch
+    _check_range("--global-batch-size", args.global_batch_size, 1, MAX_GLOBAL_BATCH_SIZE,
+                 "sequences per step")
     _require(args.global_batch_size > 0 and args.global_batch_size % dp_batch == 0,
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
              f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
@@ -643,7 +774,18 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
     _require(args.train_iters is not None and args.train_iters >= 0,
              "--train-iters is required (the number of iterations to train)")
     _require(args.lr is not None, "--lr is required (the peak learning rate)")
+    _check_optimizer_numbers(args)
     _require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    _check_range("--seed", args.seed, 0, SEED_LIMIT - 1 - PIPELINE_SEED_STRIDE * (pp - 1),
+                 "numpy seeds are below 2**32 and pipeline stage p uses --seed + "
+                 f"{PIPELINE_SEED_STRIDE} p")
+    _check_range("--num-workers", args.num_workers, 0, MAX_NUM_WORKERS,
+                 "data-loader processes per rank")
+    _check_range("--distributed-timeout-minutes", args.distributed_timeout_minutes, 1,
+                 MAX_TIMEOUT_MINUTES, "minutes a collective may wait")
+    if args.exit_duration_in_mins is not None:
+        _check_range("--exit-duration-in-mins", args.exit_duration_in_mins, 0, None,
+                     "minutes of training before the run saves and exits", low_open=True)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:

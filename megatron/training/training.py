@@ -13,6 +13,7 @@ then ends with exit code 0.
 from __future__ import annotations
 
 import math
+import re
 import signal
 import threading
 import time
@@ -547,7 +548,18 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
         checkpointing.lock_save_dir(args.save)     # one run per --save directory, until exit
     to_load = checkpointing.checkpoint_to_load(
         args.load, args.load_fallback_to_previous, log=print_rank_0) if args.load else None
-    ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
+    try:
+        ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
+    except (RuntimeError, MemoryError) as exc:
+        if not _caused_by_memory(exc):
+            raise
+        raise TrainingError(
+            f"out of memory building the model ({_allocation(exc)}): "
+            f"--num-layers {args.num_layers}, --hidden-size {args.hidden_size}, "
+            f"--ffn-hidden-size {args.ffn_hidden_size}, vocabulary {args.padded_vocab_size} do "
+            "not fit this machine; shrink them or split the model over more ranks "
+            "(--tensor-model-parallel-size, --pipeline-model-parallel-size); "
+            "tools/estimate_memory.py tells what fits") from None
     quant = args.quant_config
     if (quant.recipe or quant.rules is not None) \
             and parallel_state.get_tensor_model_parallel_rank() == 0 \
@@ -716,12 +728,22 @@ def _train(forward_step_func, args, callbacks, result, start_time, tokenizer, dd
 
 
 
+def _allocation(exc: BaseException) -> str:
+    """What failed to allocate, in a few words: 'tried to allocate 2,048,000,000 bytes'."""
+    found = re.search(r"allocate (\d+) bytes", str(exc))
+    if found:
+        return f"an allocation of {int(found.group(1)):,} bytes failed"
+    return type(exc).__name__
+
+
 def _caused_by_memory(exc: BaseException) -> bool:
     """Whether a MemoryError (or an out-of-memory error) is in exc's cause/context chain."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        text = str(exc).lower()
+        if isinstance(exc, MemoryError) or "out of memory" in text or \
+                "can't allocate memory" in text:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
