@@ -8,7 +8,7 @@ import dataclasses
 from typing import List, Optional
 
 from megatron.quantization.config import (
-    GEMMS, SITE_CONCERNS, SITE_KINDS, MatmulQuantConfig, QuantConfig)
+    GEMMS, RECIPE_SOURCES, SITE_CONCERNS, SITE_KINDS, MatmulQuantConfig, QuantConfig)
 
 SITE_TITLES = MappingProxyType({"linear": "linear layers", "attn_qk": "attention QK^T",
                                 "attn_pv": "attention PV", "output_layer": "output layer"})
@@ -82,11 +82,14 @@ def describe_site(kind: str, cfg: MatmulQuantConfig, title: str, indent: str = "
     return lines
 
 
-def describe_config(quant: QuantConfig, num_layers: Optional[int] = None) -> str:
-    """A readable per-GEMM table of what is quantized, for logs and --quant-check."""
-    lines = [f"quantization scheme: {quant.scheme}"]
+def describe_config(quant: QuantConfig, num_layers: Optional[int] = None,
+                    precision: Optional[str] = None) -> str:
+    """A readable per-GEMM table of what is quantized, for logs and --quant-check; its first
+    line says what the run is (`precision`: the run's own, fp32/bf16/fp16, when known)."""
+    lines = [headline(quant, precision)]
     if quant.recipe:
-        lines.append(f"  recipe: {quant.recipe}")
+        lines.append(f"  recipe: {quant.recipe}: {RECIPE_SOURCES[quant.recipe]}"
+                     if quant.recipe in RECIPE_SOURCES else f"  recipe: {quant.recipe}")
     for kind in SITE_KINDS:
         lines.extend(describe_site(kind, getattr(quant, kind), SITE_TITLES[kind]))
     if quant.rules is not None:
@@ -103,6 +106,22 @@ def describe_config(quant: QuantConfig, num_layers: Optional[int] = None) -> str
         lines.append(f"  applies to all {num_layers} transformer layers")
     lines.extend(f"  note: {note}" for note in quant.notes)
     return "\n".join(lines)
+
+
+def headline(quant: QuantConfig, precision: Optional[str] = None) -> str:
+    """What the run is, in one line: a recipe, a recipe file, a scheme, or nothing quantized
+    (then every GEMM runs in the run's precision: scheme bf16 names the unquantized
+    reference, whatever the precision)."""
+    if quant.recipe:
+        return f"quantization: recipe {quant.recipe}"
+    if quant.rules is not None:
+        elsewhere = f" (scheme {quant.scheme} at the sites it does not match)" \
+            if quant.scheme != "bf16" else ""
+        return f"quantization: recipe file {quant.rules.path}{elsewhere}"
+    if not quant.enabled:
+        where = f"{precision}, the run's precision" if precision else "the run's precision"
+        return f"quantization: nothing quantized (every GEMM in {where})"
+    return f"quantization: scheme {quant.scheme}"
 
 
 def describe_sites(sites) -> str:

@@ -114,8 +114,8 @@ def capture_callback(args) -> Optional[TensorCaptureCallback]:
     if args.capture_config is None:
         return None
     return TensorCaptureCallback(args.capture_config, run_info={
-        "args": run_args(args), "quant_config": describe_config(args.quant_config,
-                                                                args.num_layers)})
+        "args": run_args(args), "quant_config": describe_config(
+            args.quant_config, args.num_layers, args.params_dtype_name)})
 
 
 @dataclass
@@ -506,8 +506,8 @@ def pretrain_with_args(forward_step_func, args, callbacks: Sequence[TrainingCall
     start_time = time.time() if start_time is None else start_time
     result = TrainResult()
     if args.quant_check:
-        print(f"{describe_config(args.quant_config, args.num_layers)}\n"
-              f"(scheme from {args.quant_config.source})", flush=True)
+        print(f"{describe_config(args.quant_config, args.num_layers, args.params_dtype_name)}"
+              f"\n(scheme from {args.quant_config.source})", flush=True)
         result.exit_reason = "quant-check"
         return result
     initialize_distributed(args)
@@ -530,8 +530,8 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     if args.use_flash_attn:
         print_rank_0("note: --use-flash-attn: attention uses the fused kernel by itself "
                      "wherever nothing in attention is quantized")
-    print_rank_0(f"{describe_config(args.quant_config, args.num_layers)}\n"
-                 f"(scheme from {args.quant_config.source})")
+    print_rank_0(f"{describe_config(args.quant_config, args.num_layers, args.params_dtype_name)}"
+                 f"\n(scheme from {args.quant_config.source})")
     print_rank_0(describe_precision(args))
     for line in [wandb_problem(args), *args.capture_warnings, *stats_interval_warnings(args)]:
         if line:

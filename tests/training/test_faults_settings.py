@@ -1,9 +1,11 @@
-"""Numbers out of range.
+"""Numbers out of range and what the start-up log says the run is.
 
 Every numeric setting that sizes memory (sequence length, micro and global batch, the model's
 sizes) is bounded, and every learning rate is finite, not negative and small enough for the
 optimizer's float32 scalars: one `error:` line naming the value and the valid range, before
-anything is built, never a traceback from torch at the first step.
+anything is built, never a traceback from torch at the first step. The first line of the
+quantization table says what the run is: a recipe, a scheme, or nothing quantized in the run's
+own precision.
 """
 
 import pytest
@@ -113,3 +115,33 @@ def test_a_model_that_does_not_fit_is_one_line(capsys, monkeypatch):
         "not fit this machine; shrink them or split the model over more ranks "
         "(--tensor-model-parallel-size, --pipeline-model-parallel-size); "
         "tools/estimate_memory.py tells what fits")
+
+
+# ---------------------------------------------------------------------------------------------
+# What the start-up log says the run is
+# ---------------------------------------------------------------------------------------------
+
+
+def _headline(capsys, *extra):
+    code = main(pretrain_gpt.forward_step, TINY_MOCK_ARGS + ["--train-iters", "1",
+                                                             "--quant-check", *extra])
+    out = capsys.readouterr().out
+    assert code == 0
+    return out.splitlines()[0]
+
+
+def test_the_quant_check_of_a_recipe_opens_with_the_recipe(capsys):
+    assert _headline(capsys, "--quant-recipe", "nvfp4", "--bf16") == \
+        "quantization: recipe nvfp4"
+
+
+def test_an_unquantized_run_says_so_in_its_own_precision(capsys):
+    assert _headline(capsys) == \
+        "quantization: nothing quantized (every GEMM in fp32, the run's precision)"
+    assert _headline(capsys, "--bf16") == \
+        "quantization: nothing quantized (every GEMM in bf16, the run's precision)"
+
+
+def test_a_scheme_run_names_its_scheme(capsys):
+    assert _headline(capsys, "--quant-scheme", "FA_linear_mxfp8", "--bf16") == \
+        "quantization: scheme FA_linear_mxfp8"

@@ -149,7 +149,7 @@ def test_quant_check_prints_and_exits(capsys):
         "--quant-check"])
     out = capsys.readouterr().out
     assert result.exit_reason == "quant-check" and result.losses == {}
-    assert "quantization scheme: FA_mxfp4" in out and "attention QK^T" in out
+    assert "quantization: scheme FA_mxfp4" in out and "attention QK^T" in out
     assert "--linear-quant mxfp8_e5m2 overrides scheme FA_mxfp4 (none)" in out
 
 
