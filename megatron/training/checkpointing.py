@@ -289,15 +289,28 @@ def _remove(path: str) -> None:
         pass
 
 
-def remove_stale_incomplete(root: str) -> List[str]:
-    """Remove the `iter_*.incomplete*` directories in `root` (names returned). Only for the
-    holder of root's lock: any such directory is then a dead run's."""
-    removed = []
+def _writer_pid(name: str) -> Optional[int]:
+    """The pid in an `iter_X.incomplete.<pid>-<token>` name (None for the legacy name)."""
+    match = re.search(r"\.incomplete\.(\d+)-", name)
+    return int(match.group(1)) if match else None
+
+
+def remove_stale_incomplete(root: str) -> Tuple[List[str], List[str]]:
+    """Remove the `iter_*.incomplete*` directories of dead runs in `root`: (names removed,
+    names kept because the process that is writing them still runs on this host). Only for
+    the holder of root's lock (checked by RunLock.verify just before): any such directory is
+    then a dead run's; the liveness check keeps a live writer's directory even where the lock
+    could be circumvented (a file system without directory locks)."""
+    removed, kept = [], []
     for name in sorted(os.listdir(root)):
         if _INCOMPLETE_RE.fullmatch(name):
+            pid = _writer_pid(name)
+            if pid is not None and pid != os.getpid() and run_lock.pid_alive(pid):
+                kept.append(name)
+                continue
             _remove(os.path.join(root, name))
             removed.append(name)
-    return removed
+    return removed, kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,6 +343,8 @@ def _save_error(exc: BaseException, root: str) -> str:
     """Why a save failed, in one line. A full disk reads "no space left on device" however it
     surfaced (torch's serializer turns ENOSPC into "unexpected pos"): called while the partial
     files still fill the disk."""
+    if isinstance(exc, ConfigError):
+        return str(exc)
     if any(isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS for e in _exception_chain(exc)):
         return "no space left on device"
     free = _free_bytes(root)
@@ -440,11 +455,21 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
             return
         os.makedirs(root, exist_ok=True)
         if _holds_lock(root):
-            removed = remove_stale_incomplete(root)
+            # Still this run's directory (ConfigError when another run took it)?
+            repaired = _save_lock.verify()
+            if repaired:
+                log(f"warning: --save {root}: {repaired}")
+            removed, kept = remove_stale_incomplete(root)
             if removed:
                 log(f"note: removed {len(removed)} incomplete checkpoint "
                     f"director{'y' if len(removed) == 1 else 'ies'} left in {root} by a run "
                     f"that died while saving: {', '.join(removed)}")
+            if kept:
+                pids = sorted({str(_writer_pid(n)) for n in kept})
+                log(f"warning: --save {root}: left {', '.join(kept)} in place: the "
+                    f"process{'es' if len(pids) > 1 else ''} writing "
+                    f"{'them' if len(kept) > 1 else 'it'} (pid {', '.join(pids)}) still "
+                    "run(s) on this host; another run is saving into this directory")
         os.makedirs(tmp)
 
     def write():

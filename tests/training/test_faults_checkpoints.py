@@ -385,3 +385,93 @@ def test_an_error_in_any_save_step_removes_its_directory(tmp_path, capsys, monke
     assert sorted(os.listdir(root)) == [LOCK_FILE]
     code, out, err = train(capsys, "--train-iters", "1", "--save", root)
     assert code == 0 and checkpointing.read_tracker(root) == 1, err
+
+
+# ---------------------------------------------------------------------------------------------
+# The lock cannot be stolen, and a live run's checkpoint is never deleted
+# ---------------------------------------------------------------------------------------------
+
+
+def test_deleting_the_lock_file_does_not_free_the_directory(tmp_path, capsys):
+    """Run A holds --save; its .lock is deleted: run C is still refused (the directory itself
+    is locked, the holder named from the kernel's lock table), and A's next save writes the
+    lock file again and goes on."""
+    save = str(tmp_path / "ckpt")
+    ready, go = str(tmp_path / "ready"), str(tmp_path / "go")
+    first = spawn(PAUSING_RUN, tmp_path / "pausing_run.py", save, ready, go)
+    try:
+        wait_for(ready, first)
+        os.remove(os.path.join(save, LOCK_FILE))
+        code, out, err = train(capsys, "--train-iters", "4", "--save", save,
+                               "--save-interval", "1")
+        line = one_error_line(err)
+        assert code == 2 and MODEL_BUILT not in out
+        assert line.startswith(f"error: --save {save} is in use by another run (pid "
+                               f"{first.pid} on {socket.gethostname()} (its .lock was deleted "
+                               "or replaced): "), line
+        assert f"pausing_run.py {save} " in line
+        assert not os.path.exists(os.path.join(save, LOCK_FILE))     # C created nothing
+    finally:
+        open(go, "w").close()
+        stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr[-3000:]
+    warnings = [line for line in stdout.splitlines() if line.startswith("warning: --save")]
+    assert warnings == [f"warning: --save {save}: its lock file .lock was deleted or replaced "
+                        "while this run held the directory; wrote it again (the directory "
+                        "itself stayed locked: no other run could start on it)"], stdout[-3000:]
+    assert json.load(open(os.path.join(save, LOCK_FILE)))["pid"] == first.pid
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == [
+        "iter_0000001", "iter_0000002", "iter_0000003"]
+
+
+def test_an_incomplete_checkpoint_of_a_live_process_is_never_deleted(checkpoint, capsys):
+    """Where the lock could be circumvented (a file system without directory locks, another
+    host), a directory `iter_X.incomplete.<pid>-<token>` whose writer still runs stays."""
+    root, _ = checkpoint
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        live = f"iter_0000003.incomplete.{writer.pid}-abcdef"
+        dead = "iter_0000003.incomplete.999999999-abcdef"
+        for name in (live, dead):
+            os.makedirs(os.path.join(root, name))
+            with open(os.path.join(root, name, "__0_0.distcp"), "wb") as f:
+                f.write(b"\0" * 1000)
+        code, out, err = load(root, capsys, "--save", root)
+        assert code == 0, err
+        assert os.path.isfile(os.path.join(root, live, "__0_0.distcp"))
+        assert not os.path.exists(os.path.join(root, dead))
+        assert f"note: removed 1 incomplete checkpoint directory left in {root} by a run that " \
+               f"died while saving: {dead}" in out
+        assert f"warning: --save {root}: left {live} in place: the process writing it (pid " \
+               f"{writer.pid}) still run(s) on this host" in out
+    finally:
+        writer.kill()
+        writer.wait(timeout=60)
+
+
+def test_a_directory_deleted_and_created_again_is_locked_again(tmp_path):
+    from megatron.training import run_lock
+    from megatron.training.errors import ConfigError
+
+    save = str(tmp_path / "ckpt")
+    lock = run_lock.acquire(save)
+    try:
+        shutil.rmtree(save)
+        os.makedirs(save)
+        assert "deleted and created again" in lock.verify()
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            run_lock.acquire(save)                       # the new directory is held
+        assert lock.verify() is None
+    finally:
+        lock.release()
+    run_lock.acquire(save).release()                     # and free once released
+
+
+def test_a_fifo_as_the_lock_file_is_one_line(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    os.mkfifo(save / LOCK_FILE)
+    code, out, err = train(capsys, "--train-iters", "1", "--save", str(save))
+    assert code == 2 and MODEL_BUILT not in out
+    assert one_error_line(err) == (f"error: --save {save}: its lock file .lock is a FIFO, not a "
+                                   "regular file; remove it")
