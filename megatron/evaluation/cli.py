@@ -20,7 +20,7 @@ from typing import List, Optional
 
 from megatron.training.errors import ConfigError, TrainingError
 
-SWEEPS = ("sites",)
+SWEEPS = ("sites", "layers")
 DEFAULT_SWEEP_SCHEME = "FA_linear_mxfp4@attn-pv-quant=mxfp4,quant-output-layer"
 DEFAULT_DRAW_COUNTS = (1, 2, 4, 8, 16)
 
@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", choices=SWEEPS,
                    help="sites: quantize one GEMM site at a time (layer x qkv/proj/fc1/fc2/QK/"
                         "PV, and the output layer) in --sweep-scheme and rank the loss "
-                        "increases over the unquantized model.")
+                        "increases over the unquantized model. layers (for deep models): one "
+                        "layer at a time with all its sites, then one site kind in every "
+                        "layer, then the output layer (L + kinds + 1 evaluations).")
     p.add_argument("--sweep-scheme", default=DEFAULT_SWEEP_SCHEME, metavar="SPEC",
                    help="The configuration a swept site gets (default: %(default)s).")
     p.add_argument("--gradients", action="store_true",
@@ -83,8 +85,11 @@ def parse(argv: Optional[List[str]] = None):
         raise ConfigError(f"--gradient-micro-batches {own.gradient_micro_batches}: must be >= 1")
     if any(k < 1 for k in own.gradient_draws):
         raise ConfigError(f"--gradient-draws {own.gradient_draws}: every K must be >= 1")
+    _check_eval_iters(rest)
     if own.load_hf:
         import_hf(own)
+    else:
+        _check_load_dir(own.load)
     rest += ["--load", hf_checkpoint_dir(own) if own.load_hf else own.load]
     args = parse_args(rest)
     if args.quant_scheme or args.quant_recipe or args.quant_recipe_file:
@@ -96,7 +101,58 @@ def parse(argv: Optional[List[str]] = None):
     if args.lr is None:
         args.lr = 0.0
     args = validate_args(args)
+    check_tokenizer(args)
     return own, args
+
+
+def _check_eval_iters(rest: List[str]) -> None:
+    """--eval-iters is pretrain_gpt.py's flag; an evaluation needs at least one batch."""
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--eval-iters", type=int, default=None)
+    try:
+        known, _ = probe.parse_known_args(rest)
+    except SystemExit:
+        return              # not an integer: pretrain_gpt.py's parser names it
+    if known.eval_iters is not None and known.eval_iters < 1:
+        raise ConfigError(f"--eval-iters {known.eval_iters}: must be >= 1 (each arm evaluates "
+                          "--eval-iters x micro-batches of the validation split)")
+
+
+def _check_load_dir(load: str) -> None:
+    """--load names an existing directory holding a checkpoint (before the model flags are
+    looked for in it)."""
+    from megatron.training.checkpoint_files import TRACKER_FILE
+
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load}: no such directory; pass a checkpoint directory "
+                          "(pretrain_gpt.py --save, tools/convert_hf.py import) or --load-hf")
+    if not os.path.exists(os.path.join(load, TRACKER_FILE)):
+        raise ConfigError(f"--load {load}: no checkpoint there (no {TRACKER_FILE})")
+
+
+def check_tokenizer(args) -> None:
+    """The tokenizer's vocabulary against the one the checkpoint was made for, before any
+    work (NullTokenizer adds one entry, its end of document, to --vocab-size)."""
+    from megatron.training.model_args import TOKENIZER_VOCAB_KEY, read_common_state
+    from megatron.training.tokenizer import TokenizerError, build_tokenizer
+
+    common = read_common_state(args.load)
+    saved = None if common is None else common.get(TOKENIZER_VOCAB_KEY)
+    try:
+        size = build_tokenizer(args).vocab_size
+    except TokenizerError as exc:
+        raise ConfigError(str(exc)) from None
+    if saved is None or saved == size:
+        return
+    if args.tokenizer_type == "NullTokenizer":
+        raise ConfigError(f"--load {args.load}: checkpoint made for a tokenizer of {saved} "
+                          f"entries; --tokenizer-type NullTokenizer --vocab-size "
+                          f"{args.vocab_size} has {size} (NullTokenizer adds its end of "
+                          f"document): pass --vocab-size {saved - 1}, or no tokenizer flags "
+                          "where the checkpoint records its tokenizer")
+    raise ConfigError(f"--load {args.load}: checkpoint made for a tokenizer of {saved} entries, "
+                      f"--tokenizer-type {args.tokenizer_type} has {size}; pass the checkpoint's "
+                      "tokenizer (--tokenizer-type, --tokenizer-model, --vocab-size)")
 
 
 def hf_checkpoint_dir(own) -> str:
@@ -121,12 +177,30 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def import_hf(own) -> None:
-    """--load-hf: import the HF directory once into OUT/hf_checkpoint."""
+    """--load-hf: import the HF directory or .gguf file once into OUT/hf_checkpoint; an
+    import of another model there (or of this one before its files changed) is refused."""
+    from megatron.training.hf_llama import (
+        SOURCE_FILE, import_checkpoint, read_source_record, source_record)
+
     target = hf_checkpoint_dir(own)
+    if not os.path.lexists(own.load_hf):
+        raise ConfigError(f"--load-hf {own.load_hf}: no such file or directory; pass a local "
+                          "HuggingFace Llama directory or a .gguf file")
     if os.path.exists(os.path.join(target, "latest_checkpointed_iteration.txt")):
-        print(f"[evaluate] reusing {target} (imported from {own.load_hf})", flush=True)
-        return
-    from megatron.training.hf_llama import import_checkpoint
+        recorded = read_source_record(target)
+        wanted = source_record(own.load_hf)
+        if recorded == wanted:
+            print(f"[evaluate] reusing {target} (imported from {own.load_hf})", flush=True)
+            return
+        if recorded is None:
+            held = f"a checkpoint that does not record its source ({SOURCE_FILE})"
+        elif recorded.get("source") != wanted["source"]:
+            held = f"an import of {recorded.get('source')}"
+        else:
+            held = f"an import of {wanted['source']} made before its files changed"
+        raise ConfigError(f"--output-dir {own.output_dir} holds {held} in {target}, not of "
+                          f"--load-hf {own.load_hf}: give another --output-dir, or remove "
+                          f"{target} to import it again")
 
     print(f"[evaluate] importing {own.load_hf} -> {target}", flush=True)
     import_checkpoint(own.load_hf, target)

@@ -64,6 +64,34 @@ def sweep_targets(sites) -> List[Tuple[Optional[int], str, FrozenSet[str]]]:
     return [(layer, label, frozenset(groups[(layer, label)])) for layer, label in keys]
 
 
+def layer_targets(sites) -> List[Tuple[Optional[int], str, FrozenSet[str]]]:
+    """The `--sweep layers` design, for deep models: one layer at a time with all its sites
+    (label "all"), then one site kind across all layers (layer None, key "all/LABEL"), the
+    output layer last: L + kinds + 1 evaluations instead of L x kinds + 1."""
+    per_site = sweep_targets(sites)
+    layers: Dict[int, set] = {}
+    kinds: Dict[str, set] = {}
+    output = []
+    for layer, label, paths in per_site:
+        if layer is None:
+            output.append((None, label, paths))
+            continue
+        layers.setdefault(layer, set()).update(paths)
+        kinds.setdefault(label, set()).update(paths)
+    order = {label: i for i, label in enumerate(SITE_ORDER)}
+    return ([(layer, "all", frozenset(paths)) for layer, paths in sorted(layers.items())]
+            + [(None, label, frozenset(kinds[label]))
+               for label in sorted(kinds, key=lambda k: (order.get(k, 99), k))]
+            + output)
+
+
+def target_key(layer: Optional[int], label: str) -> str:
+    """A sweep row's key: LAYER/SITE, all/SITE for a kind across layers, -/output."""
+    if layer is not None:
+        return f"{layer}/{label}"
+    return "-/output" if label == "output" else f"all/{label}"
+
+
 class EvaluatedModel:
     """The raw GPTModel (loaded once) and the module that runs it in the run's precision."""
 

@@ -57,13 +57,16 @@ def arms_table(doc: dict) -> List[str]:
 
 
 def sweep_table(sweep: dict) -> List[str]:
-    lines = ["", f"Per-site sweep: one site at a time in `{sweep['scheme']}`, delta vs "
+    design = ("one layer at a time (all its sites), one site kind in every layer, the output "
+              "layer" if sweep.get("design") == "layers" else "one site at a time")
+    lines = ["", f"Per-site sweep: {design} in `{sweep['scheme']}`, delta vs "
              f"{sweep['reference']} (loss {_f(sweep['reference_loss'])}), largest first.", "",
              "| rank | layer | site | delta | 95% CI (t) |", "|---:|---:|---|---:|---|"]
     by_key = {r["key"]: r for r in sweep["sites"]}
     for rank, key in enumerate(sweep["ranking"], 1):
         r = by_key[key]
-        layer = r["layer"] if r["layer"] is not None else "—"
+        layer = r["layer"] if r["layer"] is not None else \
+            "—" if r["site"] == "output" else "all"
         lines.append(f"| {rank} | {layer} | {r['site']} | {r['delta']['mean']:+.6f} | "
                      f"{_interval(r['delta']['ci95'])} |")
     return lines
@@ -130,6 +133,8 @@ def arms_figure(doc: dict, path: str) -> bool:
 def sweep_figure(sweep: dict, path: str) -> bool:
     if not sweep["sites"]:
         return False
+    if sweep.get("design") == "layers":
+        return _layers_figure(sweep, path)
     plt = _plt()
     layers = sorted({r["layer"] for r in sweep["sites"] if r["layer"] is not None})
     labels = list(dict.fromkeys(r["site"] for r in sweep["sites"] if r["layer"] is not None))
@@ -141,7 +146,7 @@ def sweep_figure(sweep: dict, path: str) -> bool:
             grid[at] = r["delta"]["mean"] * 1e3
             lo, hi = r["delta"]["ci95"]
             resolved[at] = lo > 0 or hi < 0
-    output = [r for r in sweep["sites"] if r["layer"] is None]
+    output = [r for r in sweep["sites"] if r["layer"] is None and r["site"] == "output"]
     fig, ax = plt.subplots(figsize=(1.1 * len(labels) + 2.8, 0.55 * len(layers) + 2.0), dpi=120)
     bound = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
     im = ax.imshow(grid, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
@@ -158,6 +163,39 @@ def sweep_figure(sweep: dict, path: str) -> bool:
         title += f"\noutput layer: {output[0]['delta']['mean'] * 1e3:+.2f}"
     ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, label="loss increase (1e-3 nats/token)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _layers_figure(sweep: dict, path: str) -> bool:
+    """--sweep layers: the loss increase of each layer (all its sites) and of each site kind
+    (in every layer) with 95% intervals; filled markers where the interval excludes 0."""
+    plt = _plt()
+    panels = [[r for r in sweep["sites"] if r["layer"] is not None],
+              [r for r in sweep["sites"] if r["layer"] is None]]
+    heights = [max(len(rows), 1) for rows in panels]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.22 * max(heights) + 2.2), dpi=120)
+    for ax, rows, title in zip(axes, panels, ("one layer at a time (all its sites)",
+                                              "one site kind in every layer; output layer")):
+        y = np.arange(len(rows))
+        means = np.array([r["delta"]["mean"] for r in rows]) * 1e3
+        lo = means - np.array([r["delta"]["ci95"][0] for r in rows]) * 1e3
+        hi = np.array([r["delta"]["ci95"][1] for r in rows]) * 1e3 - means
+        resolved = [r["delta"]["ci95"][0] > 0 or r["delta"]["ci95"][1] < 0 for r in rows]
+        for i in range(len(rows)):
+            ax.errorbar(means[i], y[i], xerr=[[lo[i]], [hi[i]]], fmt="o", capsize=2,
+                        color="#1f5f9f", mfc="#1f5f9f" if resolved[i] else "white")
+        labels = [f"layer {r['layer']}" if r["layer"] is not None else
+                  "output layer" if r["site"] == "output" else f"{r['site']} (all layers)"
+                  for r in rows]
+        ax.set_yticks(y, labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.axvline(0, color="#666", lw=0.8)
+        ax.set_xlabel("loss increase (1e-3 nats/token), 95% CI", fontsize=9)
+        ax.set_title(title, fontsize=10)
+    fig.suptitle(f"Sweep in {sweep['scheme']} (open markers: CI includes 0)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -16,7 +16,8 @@ from megatron.analysis.intervals import paired_delta, token_quantiles
 from megatron.evaluation.losses import (
     ArmLosses, arm_losses, first_batch_logits, repeated_sequences, validation_batches)
 from megatron.evaluation.operand_stats import forward_operand_stats
-from megatron.evaluation.model_state import SiteSubset, load_model, sweep_targets
+from megatron.evaluation.model_state import (
+    SiteSubset, layer_targets, load_model, sweep_targets, target_key)
 from megatron.evaluation.specs import arm_config
 from megatron.quantization.config import QuantConfig
 from megatron.training.initialize import (
@@ -49,6 +50,24 @@ def _eta(done: int, total: int, start: float) -> str:
     return f", about {(time.time() - start) / done * (total - done):.0f} s left"
 
 
+def _padded_vocab(args, vocab_size: int) -> int:
+    """This layout's padded vocabulary, or the checkpoint's where it differs and this layout
+    can hold it (a TP=2 import evaluated at TP=1 keeps its padding: the same model, the same
+    zero logits in the loss); said in one line."""
+    from megatron.training.model_args import read_common_state
+
+    padded = vocab_size_with_padding(vocab_size, args.make_vocab_size_divisible_by,
+                                     args.tensor_model_parallel_size)
+    common = read_common_state(args.load) or {}
+    saved = (common.get("model_shape") or {}).get("padded_vocab_size")
+    if isinstance(saved, int) and saved != padded and saved >= vocab_size \
+            and saved % args.tensor_model_parallel_size == 0:
+        log(f"note: the checkpoint's vocabulary is padded to {saved} (this layout would pad "
+            f"{vocab_size} to {padded}): evaluating with the checkpoint's {saved}")
+        return saved
+    return padded
+
+
 def evaluate(own, args, start: float) -> Dict:
     initialize_distributed(args)
     try:
@@ -60,8 +79,8 @@ def evaluate(own, args, start: float) -> Dict:
 def _evaluate(own, args, start: float) -> Dict:
     set_random_seeds(args.seed)
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    args.tokenizer_vocab_size = tokenizer.vocab_size       # checked against the checkpoint's
+    args.padded_vocab_size = _padded_vocab(args, tokenizer.vocab_size)
     own.draw_seed = args.seed if own.rounding_seed is None else own.rounding_seed
     base = args.quant_config.settings
     arms_config = {spec: arm_config(spec, base, args.num_layers, args.seed)    # fail early
@@ -129,7 +148,7 @@ def _sweep(own, model, batches, arms, base: QuantConfig) -> dict:
     else:
         reference = arms[reference_spec]
     model.quantize(QuantConfig())
-    targets = sweep_targets(model.sites)
+    targets = (layer_targets if own.sweep == "layers" else sweep_targets)(model.sites)
     rows = []
     sweep_arms = {} if reference_spec else {"sweep:reference": reference}
     t0 = time.time()
@@ -141,15 +160,17 @@ def _sweep(own, model, batches, arms, base: QuantConfig) -> dict:
             continue       # the sweep scheme keeps this site in high precision
         arm = arm_losses(model.module, batches, own.draw_seed, log, f"site {layer}/{label}")
         delta = paired_delta(arm.sequence_sums, reference.sequence_sums, arm.sequence_tokens)
-        key = f"{layer if layer is not None else '-'}/{label}"
+        key = target_key(layer, label)
         sweep_arms[f"sweep:{key}"] = arm
         rows.append({"layer": layer, "site": label, "key": key, "paths": sorted(paths),
                      "loss": arm.loss, "delta": delta})
-        where = "output layer" if layer is None else f"layer {layer} {label}"
+        where = ("output layer" if label == "output" else f"layer {layer} {label}"
+                 if layer is not None else f"{label} in every layer")
         log(f"sweep {n}/{len(targets)}: {where}: delta {delta['mean']:+.6f}"
             f"{_eta(n, len(targets), t0)}")
     ranking = sorted(range(len(rows)), key=lambda i: -rows[i]["delta"]["mean"])
-    return {"scheme": own.sweep_scheme, "reference": reference_spec or "unquantized",
+    return {"scheme": own.sweep_scheme, "design": own.sweep,
+            "reference": reference_spec or "unquantized",
             "reference_loss": reference.loss, "sites": rows,
             "ranking": [rows[i]["key"] for i in ranking]}, sweep_arms
 
@@ -183,7 +204,7 @@ def _gradients(own, model, batches, arms_config) -> dict:
         stochastic = any(s.config.stochastic for s in model.sites if s.config.enabled)
         if stochastic:
             entry["draws"] = grads.draws_curve(model.module, params, gb, own.draw_seed,
-                                               own.gradient_draws, reference)
+                                               own.gradient_draws, reference, log, spec)
         out["schemes"][spec] = entry
         log(f"gradients {n}/{len(own.schemes)} {spec}: rel L2 vs fp32 "
             f"{entry['vs_fp32']['rel_l2']:.4g}, cosine {entry['vs_fp32']['cosine']:.6f}"

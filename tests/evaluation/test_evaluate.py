@@ -164,6 +164,8 @@ def test_same_numbers_twice_and_sr_reproducible_by_seed(trained, tmp_path):
     (["bf16", "linear_mxfp8@no-such-flag"], [], "not a quantization flag: --no-such-flag"),
     (["bf16"], ["--quant-scheme", "linear_mxfp8"], "give the arms with --schemes"),
     (["bf16"], ["--gradient-micro-batches", "0"], "--gradient-micro-batches 0"),
+    (["bf16"], ["--eval-iters", "0"], "--eval-iters 0: must be >= 1"),
+    (["bf16"], ["--vocab-size", "513"], "pass --vocab-size 512"),
 ])
 def test_bad_input_is_one_line(trained, tmp_path, capsys, schemes, extra, expected):
     ckpt, _ = trained
@@ -179,6 +181,24 @@ def test_a_directory_without_checkpoint_is_one_line(tmp_path, capsys):
                           "--schemes", "bf16", *TINY_MOCK_ARGS, *TRAIN])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "no checkpoint" in err and "\n" not in err
+
+
+def test_a_missing_load_directory_is_one_line(tmp_path, capsys):
+    """Without model flags a missing --load said '--num-layers is required'."""
+    code = evaluate_main(["--load", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "o"),
+                          "--schemes", "bf16", "--mock-data"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "nope: no such directory" in err
+
+
+def test_stochastic_rounding_draws_say_how_long(trained, tmp_path, capsys):
+    """The draws of a stochastic-rounding arm print progress lines with the time left (before:
+    'about 20 s left', then silence for the draws)."""
+    ckpt, _ = trained
+    evaluate(ckpt, tmp_path, ["bf16", SR_ARM], "--gradients", "--gradient-draws", "1", "2",
+             "--eval-iters", "1", "--gradient-micro-batches", "1")
+    out = capsys.readouterr().out
+    assert f"{SR_ARM}: stochastic-rounding draw 1/2, about" in out
 
 
 def test_load_hf_imports_once_and_dumps_transformers_logits(tmp_path, capsys):

@@ -420,3 +420,125 @@ def test_export_refuses_models_llama_cannot_describe(change, flag):
     model_args, vocab = model_args_from_hf(LLAMA32_1B_CONFIG)
     with pytest.raises(ConfigError, match=f"the checkpoint's model has {flag} "):
         hf_config_from_model_args(dict(model_args, **change), vocab, torch.bfloat16)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps -1.0: must be a finite number in (0, 1)"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps 0: must be a finite number in (0, 1)"),
+    ({"rope_theta": -5.0}, "rope_theta -5.0: must be a finite number > 0"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers 0: must be a positive integer"),
+], ids=["eps-negative", "eps-zero", "theta-negative", "no-layers"])
+def test_nonsense_config_values_are_one_error_line(hf, tmp_path, capsys, change, named):
+    config = json.load(open(os.path.join(hf["untied"][0], "config.json")))
+    config.pop("rope_parameters", None)
+    config.update(rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE))
+    config.update(change)
+    source = _write_config(tmp_path / "hf", config)
+    code = main(["import", source, str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and named in err[0], err
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
+def _edited_copy(source, target, name, edit):
+    """A copy of the HF directory `source` whose tensor `name` is edited in place."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    edit(tensors[name])
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return str(target)
+
+
+def test_nonfinite_weights_are_refused(hf, tmp_path, capsys):
+    def poison(t):
+        t[0, 0], t[1, 1] = float("nan"), float("inf")
+    source = _edited_copy(hf["untied"][0], tmp_path / "nan", "model.layers.0.mlp.gate_proj.weight",
+                          poison)
+    code = main(["import", source, str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "model.layers.0.mlp.gate_proj.weight holds 2 NaN/Inf value(s)" in err[0]
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_a_fifo_as_weights_is_refused_not_read(hf, tmp_path):
+    """A FIFO named model.safetensors blocked the import forever; it is one line now."""
+    import subprocess
+
+    from conftest import REPO_ROOT, child_env
+
+    source = tmp_path / "fifo"
+    os.makedirs(source)
+    shutil.copy(os.path.join(hf["untied"][0], "config.json"), source)
+    os.mkfifo(source / "model.safetensors")
+    proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "convert_hf.py"),
+                           "import", str(source), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert "model.safetensors is a FIFO, not a regular file" in err[0]
+
+
+def test_export_to_float16_refuses_overflow_and_says_what_flushes(hf, tmp_path, capsys):
+    def big(t):
+        t[0, 0] = 1e6
+    source = _edited_copy(hf["untied"][0], tmp_path / "big", "model.layers.0.mlp.up_proj.weight",
+                          big)
+    assert main(["import", source, str(tmp_path / "big-ckpt")]) == 0
+    capsys.readouterr()
+    code = main(["export", str(tmp_path / "big-ckpt"), str(tmp_path / "big-out"),
+                 "--dtype", "float16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "--dtype float16: tensor model.layers.0.mlp.up_proj.weight holds 1 value(s) beyond " \
+           "its range" in err[0] and "1e+06" in err[0]
+    assert not os.path.exists(tmp_path / "big-out" / "model.safetensors")
+
+    def tiny(t):
+        t[0, 0] = 1e-9
+    source = _edited_copy(hf["untied"][0], tmp_path / "tiny", "model.layers.0.mlp.up_proj.weight",
+                          tiny)
+    assert main(["import", source, str(tmp_path / "tiny-ckpt")]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "tiny-ckpt"), str(tmp_path / "tiny-out"),
+                 "--dtype", "float16"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "model.layers.0.mlp.up_proj.weight: 1 nonzero value(s)" in notes[0]
+    assert "written as 0" in notes[0]
+    exported = load_file(str(tmp_path / "tiny-out" / "model.safetensors"))
+    assert exported["model.layers.0.mlp.up_proj.weight"][0, 0].item() == 0.0
+
+
+def test_export_to_a_regular_file_is_one_line(imported, tmp_path, capsys):
+    target = tmp_path / "a-file"
+    target.write_text("keep me")
+    code = main(["export", imported["untied", 1], str(target)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"error: {target} exists and is not a directory; export into "
+                                 "a new or empty directory"]
+    assert target.read_text() == "keep me"
+
+
+def test_an_import_without_tokenizer_files_evaluates_on_mock_data(imported, tmp_path, capsys):
+    """An HF directory without tokenizer files: the checkpoint records NullTokenizer of the
+    model's vocabulary, so --mock-data needs no tokenizer flags (before: 'checkpoint has
+    another model shape: --padded-vocab-size 256 (checkpoint) vs 128256 (this run)'), and a
+    NullTokenizer --vocab-size that gives another size is one line naming the right value."""
+    import numpy as np
+
+    from megatron.evaluation.cli import main as evaluate_main
+
+    common = ["--load", imported["tied", 1], "--schemes", "bf16", "--mock-data",
+              "--seq-length", "32", "--micro-batch-size", "1", "--eval-iters", "1"]
+    out = tmp_path / "out"
+    assert evaluate_main(common + ["--output-dir", str(out),
+                                   "--dump-logits", str(out / "l.npz")]) == 0
+    assert "--tokenizer-type NullTokenizer --vocab-size 199" in capsys.readouterr().out
+    assert np.load(out / "l.npz")["logits"].shape == (1, 32, VOCAB)
+    code = evaluate_main(common + ["--output-dir", str(tmp_path / "o2"), "--tokenizer-type",
+                                   "NullTokenizer", "--vocab-size", str(VOCAB)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "NullTokenizer adds its end of document" in err
+    assert f"pass --vocab-size {VOCAB - 1}" in err
