@@ -56,6 +56,10 @@ SIDECAR_FORMAT = "megatron-lowp indexed dataset"
 SIDECAR_VERSION = 1
 # Without a sidecar the .bin is scanned; above this size a note line says so and how long.
 SCAN_NOTE_BYTES = 1 << 30
+# A sidecar's largest token id is checked against a scan of its .bin up to this size (about
+# 0.1 s per GB from the page cache); above it the record is trusted, and the training loop
+# checks every batch's ids against the vocabulary (training.checked_batches).
+SIDECAR_VERIFY_BYTES = 1 << 30
 SIDECAR_HINT = "python tools/preprocess_data.py --write-sidecar PREFIX <tokenizer flags>"
 
 
@@ -467,19 +471,17 @@ def check_token_ids(prefix: str, tokenizer, code: int, sequences: int, documents
         if high >= vocab:
             raise ConfigError(f"{sidecar_path(prefix)} records token ids up to {high}, outside "
                               f"the run's vocabulary ({_run_vocabulary(tokenizer)}){advice}")
+        if bin_size <= SIDECAR_VERIFY_BYTES:
+            # Small enough to check the record against the .bin itself.
+            lines += _verify_sidecar_ids(prefix, tokenizer, code, sequences, documents,
+                                         bin_size, high, pointers)
     else:
         start = time.perf_counter()
         low, high = scan_token_range(prefix + ".bin", code, bin_size)
         seconds = time.perf_counter() - start
         if low < 0 or high >= vocab:
-            position, value = first_token_outside(prefix + ".bin", code, bin_size, vocab)
-            if pointers is None:
-                _, pointers, _ = index_arrays(prefix + ".idx", sequences, documents)
-            sequence = int(numpy.searchsorted(pointers, position * DTYPE_SIZES[code],
-                                              side="right")) - 1
-            raise ConfigError(f"{prefix}.bin: sequence {sequence} holds token id {value}, "
-                              f"outside the run's vocabulary ({_run_vocabulary(tokenizer)}); "
-                              f"ids in the file: {low}..{high}{advice}")
+            raise ConfigError(_outside_vocabulary(prefix, tokenizer, code, sequences, documents,
+                                                  bin_size, low, high, pointers) + advice)
         if bin_size >= SCAN_NOTE_BYTES:
             lines.append(f"note: {prefix} has no sidecar {os.path.basename(prefix)}.json "
                          f"recording its largest token id: scanned its .bin ({bin_size / 1e9:.1f}"
@@ -502,6 +504,40 @@ def check_token_ids(prefix: str, tokenizer, code: int, sequences: int, documents
                              f"with that file, train with --tokenizer-type HuggingFaceTokenizer "
                              f"--tokenizer-model {beside}")
     return lines
+
+
+def _outside_vocabulary(prefix: str, tokenizer, code: int, sequences: int, documents: int,
+                        bin_size: int, low: int, high: int, pointers=None) -> str:
+    """'PREFIX.bin: sequence S holds token id X, outside the run's vocabulary (...); ids in the
+    file: LOW..HIGH' for the first token outside the vocabulary."""
+    position, value = first_token_outside(prefix + ".bin", code, bin_size,
+                                          int(tokenizer.vocab_size))
+    if pointers is None:
+        _, pointers, _ = index_arrays(prefix + ".idx", sequences, documents)
+    sequence = int(numpy.searchsorted(pointers, position * DTYPE_SIZES[code],
+                                      side="right")) - 1
+    return (f"{prefix}.bin: sequence {sequence} holds token id {value}, outside the run's "
+            f"vocabulary ({_run_vocabulary(tokenizer)}); ids in the file: {low}..{high}")
+
+
+def _verify_sidecar_ids(prefix: str, tokenizer, code: int, sequences: int, documents: int,
+                        bin_size: int, recorded: int, pointers=None) -> List[str]:
+    """The sidecar's largest token id (inside the run's vocabulary) checked against the .bin's
+    own: a hand-edited or stale record would otherwise let an id outside the vocabulary reach
+    the embedding (an IndexError, or a padding row in silence). ConfigError (one line) when
+    the .bin holds one; a `warning:` line when the record is wrong but every id fits."""
+    low, high = scan_token_range(prefix + ".bin", code, bin_size)
+    if low < 0 or high >= int(tokenizer.vocab_size):
+        raise ConfigError(
+            _outside_vocabulary(prefix, tokenizer, code, sequences, documents, bin_size, low,
+                                high, pointers)
+            + f", although its sidecar {os.path.basename(sidecar_path(prefix))} records ids up "
+            f"to {recorded}: the sidecar is wrong; {REBUILD}")
+    if high != recorded:
+        return [f"warning: {sidecar_path(prefix)} records token ids up to {recorded}, but "
+                f"{prefix}.bin holds ids up to {high}: the sidecar is wrong (every id fits this "
+                f"run's vocabulary, so training goes on); rewrite it: {SIDECAR_HINT}"]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -640,6 +640,9 @@ def _train(forward_step_func, args, callbacks, result, start_time, tokenizer, dd
     dp_size = parallel_state.get_data_parallel_world_size()
     train_iter = build_data_iterator(train_ds, consumed_samples, args, dp_rank, dp_size)
     valid_iter = build_data_iterator(valid_ds, 0, args, dp_rank, dp_size, cyclic=True)
+    if args.data_prefixes:
+        train_iter = checked_batches(train_iter, tokenizer.vocab_size)
+        valid_iter = checked_batches(valid_iter, tokenizer.vocab_size)
 
     logger = _TrainingLogger(args)
     capture = capture_callback(args)
@@ -726,6 +729,31 @@ def _train(forward_step_func, args, callbacks, result, start_time, tokenizer, dd
     run.completed = True
 
 
+
+
+def checked_batches(iterator, vocab_size: int):
+    """`iterator`'s batches, each checked for token ids outside the vocabulary (which the
+    embedding would meet as an IndexError, or as a padding row in silence). The start-up check
+    finds them in every .bin without a sidecar or small enough to verify its sidecar; this
+    catches a wrong sidecar of a larger one. A max over a micro-batch of ids per step."""
+    if iterator is None:
+        return None
+
+    def check():
+        for batch in iterator:
+            for key in ("tokens", "labels"):
+                ids = batch.get(key) if isinstance(batch, dict) else None
+                if ids is not None and ids.numel() and int(ids.max()) >= vocab_size:
+                    raise TrainingError(
+                        f"the training data holds token id {int(ids.max())}, outside the run's "
+                        f"vocabulary (0..{vocab_size - 1}): the sidecar (PREFIX.json) of a "
+                        "--data-path dataset too large to scan at start records a smaller "
+                        "largest id; rebuild that dataset or its sidecar (python "
+                        "tools/preprocess_data.py --write-sidecar PREFIX <tokenizer flags>), or "
+                        "train with the tokenizer it was built with")
+            yield batch
+
+    return check()
 
 
 def _allocation(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ traceback, never a model); a tokenizer other than the one the data was built wit
 
 import json
 import os
+import re
 import shutil
 import struct
 import time
@@ -312,6 +313,63 @@ def _no_scan(*args, **kwargs):
     raise AssertionError("the .bin was scanned although a sidecar describes it")
 
 
+def _lying_sidecar(tmp_path):
+    """Data with ids up to 999 built with NullTokenizer --vocab-size 1000, whose sidecar was
+    edited to record a largest id of 100 made with --vocab-size 512 (the run's tokenizer)."""
+    prefix = _preprocess_null(tmp_path, _doc_texts(np.random.default_rng(3), 200, 1000), 1000)
+    sidecar = json.loads(open(prefix + ".json").read())
+    sidecar["max_token_id"] = 100
+    sidecar["vocab_size"] = 513
+    sidecar["tokenizer"] = {"type": "NullTokenizer", "vocab_size": 513, "eod": 512}
+    with open(prefix + ".json", "w") as f:
+        json.dump(sidecar, f)
+    return prefix
+
+
+def test_a_sidecar_that_hides_ids_outside_the_vocabulary_is_one_line(tmp_path, capsys):
+    """The run's embedding has 640 rows (513 padded): ids up to 999 were an IndexError in the
+    embedding at the first step, the sidecar's record trusted."""
+    prefix = _lying_sidecar(tmp_path)
+    capsys.readouterr()
+    code, out, err = train_on(prefix, capsys, vocab=512)
+    line = one_error_line(err)
+    assert code == 2 and MODEL_BUILT not in out and "lm loss" not in out
+    assert line.startswith(f"error: {prefix}.bin: sequence 0 holds token id "), line
+    assert line.endswith(", although its sidecar ids_text_document.json records ids up to 100: "
+                         "the sidecar is wrong; rebuild it with tools/preprocess_data.py"), line
+    assert "outside the run's vocabulary (0..512: NullTokenizer (--vocab-size 512: 513 ids)); " \
+           "ids in the file: 0..999" in line
+
+
+def test_a_wrong_sidecar_of_a_bin_too_large_to_scan_stops_at_the_first_batch(
+        tmp_path, capsys, monkeypatch):
+    """Above SIDECAR_VERIFY_BYTES the record is trusted at start; the training loop checks
+    every batch's ids: one line, exit code 1, no traceback, no step taken."""
+    prefix = _lying_sidecar(tmp_path)
+    capsys.readouterr()
+    monkeypatch.setattr(data_files, "SIDECAR_VERIFY_BYTES", 0)
+    code, out, err = train_on(prefix, capsys, vocab=512)
+    line = one_error_line(err)
+    assert code == 1 and "lm loss" not in out
+    assert re.fullmatch(r"error: the training data holds token id \d+, outside the run's "
+                        r"vocabulary \(0\.\.512\): the sidecar \(PREFIX\.json\) of a "
+                        r"--data-path dataset too large to scan at start records a smaller "
+                        r"largest id; .*", line), line
+
+
+def test_a_sidecar_that_overstates_the_largest_id_warns(tmp_path):
+    prefix = _preprocess_null(tmp_path, ["1 2 3", "4 5"], 600)
+    sidecar = json.loads(open(prefix + ".json").read())
+    sidecar["max_token_id"] = 7
+    with open(prefix + ".json", "w") as f:
+        json.dump(sidecar, f)
+    lines = check_dataset(prefix, NullTokenizer(600))
+    assert lines == [f"warning: {prefix}.json records token ids up to 7, but {prefix}.bin holds "
+                     "ids up to 5: the sidecar is wrong (every id fits this run's vocabulary, "
+                     "so training goes on); rewrite it: python tools/preprocess_data.py "
+                     "--write-sidecar PREFIX <tokenizer flags>"]
+
+
 def test_a_stale_sidecar_is_ignored_and_the_bin_scanned(tmp_path):
     prefix = _preprocess_null(tmp_path, ["1 2 3", "4 5"], 600)
     build_dataset(prefix, [[1, 2, 3], [4, 5, 599], [7]])        # other files, same prefix
@@ -357,8 +415,10 @@ def test_write_sidecar_for_an_existing_dataset(dataset, capsys, monkeypatch):
                                  "NullTokenizer", "--vocab-size", "512"]) == 0
     sidecar = json.loads(open(dataset + ".json").read())
     assert sidecar["max_token_id"] == 510 and sidecar["tokenizer"]["type"] == "NullTokenizer"
+    assert check_dataset(dataset, NullTokenizer(512)) == []      # verified by a scan
+    monkeypatch.setattr(data_files, "SIDECAR_VERIFY_BYTES", 0)
     monkeypatch.setattr(data_files, "scan_token_range", _no_scan)
-    assert check_dataset(dataset, NullTokenizer(512)) == []
+    assert check_dataset(dataset, NullTokenizer(512)) == []      # trusted above the size
 
 
 # ---------------------------------------------------------------------------------------------
