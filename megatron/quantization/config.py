@@ -254,6 +254,23 @@ class SchemeSettings(Settings):
     output_layer: bool = setting(
         False, flag="--quant-output-layer", store_true=True,
         help="Also quantize the output (LM head) layer with the linear format.")
+    fp8_dot_product_attention: bool = setting(
+        False, flag="--fp8-dot-product-attention", store_true=True,
+        help="Simulate FP8 attention as TransformerEngine runs it under Megatron-LM's flag of "
+             "the same name: Q, K, V and dO in current scaling (MXFP8 with --fp8-recipe mxfp8, "
+             "per-tensor delayed with --fp8-recipe delayed), the softmax output S and the "
+             "score gradient dP per tensor from an amax history; E4M3 forward, E5M2 for dO "
+             "and dP under --fp8-format hybrid. Needs --fp8-format.")
+    fp8_attention_backward: Literal["fp8", "high_precision"] = setting(
+        "fp8", flag="--fp8-attention-backward",
+        help="With --fp8-dot-product-attention: the attention's backward GEMMs in FP8 (the "
+             "default) or in high precision (TransformerEngine's NVTE_FP8_DPA_BWD=0).")
+    fp8_attention_dp: Literal["fp8", "high_precision"] = setting(
+        "fp8", flag="--fp8-attention-dp",
+        help="With --fp8-dot-product-attention: dP (the score gradient the dQ and dK GEMMs "
+             "take) in FP8 (the default) or kept in high precision, the GEMM SageBwd found "
+             "fragile (arXiv 2603.02170).")
+
     # Where `scheme` came from: "--quant-scheme", $CUSTOM_QUANT_TYPE or "default".
     source: str = field(default="default", metadata={"value": "quant_scheme_source"})
 
@@ -330,7 +347,6 @@ class Fp8Settings(Settings):
         None, flag="--fp8-power-2-scales", recipe_key="fp8_pow2_scale",
         help="Truncate FP8 scales to powers of two (default: on for blockwise, as "
              "TransformerEngine's Float8BlockScaling, off otherwise).")
-
     @property
     def scaling(self) -> str:
         """How an FP8 operand is scaled: tensorwise, delayed or blockwise (the recipe; delayed
@@ -527,6 +543,7 @@ class QuantSettings(Settings):
         """The rules between concerns: a named recipe or a recipe file decides what the
         per-site flags decide, so both at once is a contradiction."""
         r, s = self.recipe, self.scheme
+        self._check_fp8_attention()
         source = (f"--quant-recipe {r.recipe}" if r.recipe else
                   f"--quant-recipe-file {r.recipe_file}" if r.recipe_file else None)
         if source is None:
@@ -550,6 +567,30 @@ class QuantSettings(Settings):
         if given:
             raise SettingError(f"{source} with {', '.join(given)}: the recipe sets these; drop "
                                f"{'them' if len(given) > 1 else 'it'} (or write a recipe file)")
+
+    def _check_fp8_attention(self) -> None:
+        fp8, s = self.fp8, self.scheme
+        if not s.fp8_dot_product_attention:
+            extra = [flag for flag, value, default in (
+                ("--fp8-attention-backward", s.fp8_attention_backward, "fp8"),
+                ("--fp8-attention-dp", s.fp8_attention_dp, "fp8")) if value != default]
+            if extra:
+                raise SettingError(f"{', '.join(extra)} apply to --fp8-dot-product-attention, "
+                                   "which is off")
+            return
+        if fp8.format is None:
+            raise SettingError("--fp8-dot-product-attention needs --fp8-format (e4m3 or "
+                               "hybrid), as in Megatron-LM")
+        if fp8.recipe == "blockwise":
+            raise SettingError("--fp8-dot-product-attention with --fp8-recipe blockwise: FP8 "
+                               "attention takes tensorwise, delayed or mxfp8 scaling")
+        given = [flag for flag, value in (("--attn-qk-quant", s.attn_qk_quant),
+                                          ("--attn-pv-quant", s.attn_pv_quant)) if value]
+        if (s.scheme or "bf16").startswith("FA"):
+            given.append(f"--quant-scheme {s.scheme}")
+        if given:
+            raise SettingError(f"--fp8-dot-product-attention decides attention's formats; "
+                               f"drop {', '.join(given)}")
 
     # -- flags <-> settings ---------------------------------------------------------------
 
@@ -810,6 +851,9 @@ class MatmulQuantConfig:
     stochastic: FrozenSet[str] = frozenset()
     rht: RhtSettings = RhtSettings()
     weight_2d: bool = False
+    # Operand slots whose FP8 operands take their scale from an amax history whatever the
+    # FP8 scaling of the rest (TransformerEngine's FP8 attention: S and dP delayed).
+    delayed_slots: FrozenSet[str] = frozenset()
 
     def __post_init__(self):
         for gemm in GEMMS:
@@ -817,11 +861,15 @@ class MatmulQuantConfig:
             if not isinstance(ops, OperandFormats):
                 raise TypeError(f"MatmulQuantConfig.{gemm} must be OperandFormats, "
                                 f"got {type(ops).__name__}")
-        object.__setattr__(self, "stochastic", frozenset(self.stochastic))
-        unknown = sorted(set(self.stochastic) - set(OPERAND_SLOTS))
-        if unknown:
-            raise SettingError(f"unknown operand slots {unknown}; valid: "
-                               f"{', '.join(OPERAND_SLOTS)}")
+        for name in ("stochastic", "delayed_slots"):
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
+            unknown = sorted(set(getattr(self, name)) - set(OPERAND_SLOTS))
+            if unknown:
+                raise SettingError(f"unknown operand slots {unknown}; valid: "
+                                   f"{', '.join(OPERAND_SLOTS)}")
+        if self.delayed_slots and self.fp8.scaling == "blockwise":
+            raise SettingError("delayed-scaled operand slots take one scale per tensor, not "
+                               "the blockwise recipe's tiles")
 
     def replace(self, **changes) -> "MatmulQuantConfig":
         return dataclasses.replace(self, **changes)
@@ -840,20 +888,27 @@ class MatmulQuantConfig:
         """The fake_quantize `saturate` argument this config uses for `fmt`."""
         return self.hifp8.saturate if fmt == "hifp8" else None
 
-    def tensor_scaled(self, fmt: str) -> bool:
-        """True when operands in `fmt` get one scale computed from the whole tensor: HiFP8 with
-        scaling "tensor" (a power-of-two exponent), NVFP4 (its float32 tensor scale) and FP8
-        with tensorwise or delayed scaling. An operand quantized in pieces (chunked attention)
-        must be given the whole operand's scale (gemm.whole_tensor_scale)."""
+    def tensor_scaled(self, fmt: str, slot: Optional[str] = None) -> bool:
+        """True when operands in `fmt` (in operand slot `slot`) get one scale for the whole
+        tensor: HiFP8 with scaling "tensor" (a power-of-two exponent), NVFP4 (its float32
+        tensor scale) and FP8 with tensorwise or delayed scaling. An operand quantized in
+        pieces (chunked attention) must be given the whole operand's scale
+        (gemm.whole_tensor_scale)."""
         if fmt == "hifp8":
             return self.hifp8.scaling == "tensor"
         if fmt == "nvfp4":
             return True
-        return fmt.startswith("fp8_") and self.fp8.scaling in ("tensorwise", "delayed")
+        return fmt.startswith("fp8_") and (self.fp8.scaling in ("tensorwise", "delayed")
+                                           or self.delayed(fmt, slot))
 
-    def delayed(self, fmt: str) -> bool:
-        """True when operands in `fmt` take their scale from an amax history."""
-        return fmt.startswith("fp8_") and self.fp8.scaling == "delayed"
+    def delayed(self, fmt: str, slot: Optional[str] = None) -> bool:
+        """True when an operand in `fmt` (in operand slot `slot`, "fprop.a", ...) takes its
+        scale from an amax history; without a slot: whether any slot in `fmt` can."""
+        if not fmt.startswith("fp8_"):
+            return False
+        if self.fp8.scaling == "delayed":
+            return True
+        return bool(self.delayed_slots) if slot is None else slot in self.delayed_slots
 
     def weight_tiles(self, fmt: str) -> bool:
         """True when weights in `fmt` are quantized in 2-D tiles (NVFP4 16x16, FP8 blockwise
@@ -871,7 +926,8 @@ class MatmulQuantConfig:
         one quantization may serve several uses: round to nearest and a scale from the tensor
         itself. A stochastically rounded operand draws anew at every call and a delayed-scaled
         one steps its amax history, so those are quantized at every use."""
-        return not self.stochastic_slot(gemm, side, fmt) and not self.delayed(fmt)
+        return (not self.stochastic_slot(gemm, side, fmt)
+                and not self.delayed(fmt, f"{gemm}.{side}"))
 
 
 NONE = MatmulQuantConfig()

@@ -57,10 +57,15 @@ class AmaxHistories:
 
     def step(self, slot: Tuple[str, str], x: torch.Tensor) -> torch.Tensor:
         """The amax (0-d float32) `slot`'s scale uses now; then x's amax joins the history."""
-        hist = self._history(slot, x.device)
-        used = (hist.max() if self.algo == "max" else hist[0]).clone()
         amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-        amax = _reduce_max(amax.reshape(1))
+        return self.step_with(slot, amax)
+
+    def step_with(self, slot: Tuple[str, str], amax: torch.Tensor) -> torch.Tensor:
+        """step() for an operand whose amax is given (one seen in pieces, as chunked attention
+        sees P and dS: the max over the pieces)."""
+        hist = self._history(slot, amax.device)
+        used = (hist.max() if self.algo == "max" else hist[0]).clone()
+        amax = _reduce_max(amax.detach().float().reshape(1))
         self.histories[slot] = torch.cat([amax, hist[:-1]])
         return used
 

@@ -21,8 +21,9 @@ estimate, which asks it as a GPU would be asked):
 
     "sdpa"       nothing in attention is quantized or observed: PyTorch's fused kernels;
     "reference"  the unfused full-score path: an observer needs whole operands, the softmax
-                 has dropout, sinks or layer scaling, the mask has another shape, or
-                 --quant-attention-impl unfused;
+                 has dropout, sinks or layer scaling, the mask has another shape, an operand
+                 is delayed-scaled (FP8 attention's P and dS), or --quant-attention-impl
+                 unfused;
     "triton"     the fused quantized-attention kernels (kernels/attention.py), under the same
                  modes as above: "auto" on CUDA where they cover the call, "triton" wherever
                  they run (a ValueError for what they do not cover); never for observed calls;
@@ -136,6 +137,9 @@ def attention_path(call: AttentionCall, mode: str) -> AttentionPath:
         return AttentionPath("reference", "dropout, attention sinks or query-key layer scaling")
     if not call.row_mask:
         return AttentionPath("reference", "a mask of another shape than [b or 1, 1, sq, sk]")
+    if any(cfg.delayed(fmt) for cfg in (call.qk_config, call.pv_config) for fmt in cfg.formats):
+        return AttentionPath("reference", "delayed-scaled operands (the chunked path would "
+                                          "step their amax histories once per chunk)")
     reason = _triton_attention_reason(call, mode)
     if reason is None:
         return AttentionPath("triton", "the fused Triton kernels cover the call")

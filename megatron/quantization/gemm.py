@@ -184,10 +184,12 @@ def quantize_slot(config, gemm, name, side, hp, fmt, axis, scales=None, state=No
         return None, {}
     extra = {}
     imposed = scales.get((gemm, name)) if scales else None
-    if state is not None and state.amax is not None and config.delayed(fmt):
-        extra["amax"] = state.amax.step((gemm, name), hp)
-    elif imposed is not None and config.tensor_scaled(fmt):
+    if imposed is not None and config.tensor_scaled(fmt, f"{gemm}.{side}"):
+        # One piece of a larger operand: the whole operand's scale (a delayed-scaled one's
+        # history was stepped once for the whole operand).
         extra["scale_exponent" if fmt == "hifp8" else "amax"] = imposed
+    elif state is not None and state.amax is not None and config.delayed(fmt, f"{gemm}.{side}"):
+        extra["amax"] = state.amax.step((gemm, name), hp)
     if config.stochastic_slot(gemm, side, fmt):
         if state is None:
             raise ValueError(f"{gemm}.{side} is stochastically rounded: its draws need the "

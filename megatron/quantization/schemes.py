@@ -99,6 +99,33 @@ def _attention_variant(cfg: MatmulQuantConfig, notes: list) -> MatmulQuantConfig
     return cfg.replace(rht=RhtSettings(), weight_2d=False)
 
 
+def fp8_attention(settings: QuantSettings):
+    """(QK^T config, PV config) of --fp8-dot-product-attention, as TransformerEngine's FP8
+    attention quantizes: Q, K, V and dO in current scaling (MXFP8 under --fp8-recipe mxfp8,
+    per-tensor delayed under delayed), the softmax output P (TE's S) and the score gradient dS
+    (TE's dP) per tensor from an amax history; E4M3 forward, E5M2 for dO and dS under hybrid.
+    --fp8-attention-backward high_precision leaves dgrad and wgrad unquantized,
+    --fp8-attention-dp high_precision dS."""
+    fp8, scheme = settings.fp8, settings.scheme
+    grad = "e5m2" if fp8.format == "hybrid" else "e4m3"
+    prefix = "mxfp8_" if fp8.recipe == "mxfp8" else "fp8_"
+    op, op_grad = f"{prefix}e4m3", f"{prefix}{grad}"              # Q, K, V / dO
+    probs, score_grad = "fp8_e4m3", f"fp8_{grad}"                  # P (S) / dS (dP)
+    if scheme.fp8_attention_dp == "high_precision":
+        score_grad = "none"
+    scaling = fp8.replace(recipe="delayed" if fp8.recipe in (None, "delayed") else "tensorwise")
+    common = dict(mx=settings.mx, hifp8=settings.hifp8, fp8=scaling, gemm=settings.gemm)
+    qk = MatmulQuantConfig(fprop=OperandFormats(op, op), dgrad=OperandFormats(score_grad, op),
+                           wgrad=OperandFormats(op, score_grad),
+                           delayed_slots={"dgrad.a", "wgrad.b"}, **common)
+    pv = MatmulQuantConfig(fprop=OperandFormats(probs, op), dgrad=OperandFormats(op_grad, op),
+                           wgrad=OperandFormats(probs, op_grad),
+                           delayed_slots={"fprop.a", "wgrad.a"}, **common)
+    if scheme.fp8_attention_backward == "high_precision":
+        qk, pv = (c.replace(dgrad=OperandFormats(), wgrad=OperandFormats()) for c in (qk, pv))
+    return qk, pv
+
+
 def _override_notes(settings: QuantSettings, formats: Sequence[str]) -> list:
     s = settings.scheme
     notes = []
@@ -162,11 +189,18 @@ def resolve(settings: QuantSettings, num_layers: int, seed: int = 0) -> QuantCon
             skip |= bf16_layer_numbers(num_layers, *bf16_at)
         except RecipeError as exc:
             raise SettingError(str(exc)) from None
+    attn_qk, attn_pv = _attention_variant(make(qk_fmt), notes), \
+        _attention_variant(make(pv_fmt), notes)
+    if s.fp8_dot_product_attention:
+        attn_qk, attn_pv = fp8_attention(settings)
+        notes.append("--fp8-dot-product-attention: attention's P and dS are delayed-scaled; "
+                     "it runs the full-scores path (one amax history step per operand and "
+                     "call)")
     return QuantConfig(
         scheme=s.scheme,
         linear=linear,
-        attn_qk=_attention_variant(make(qk_fmt), notes),
-        attn_pv=_attention_variant(make(pv_fmt), notes),
+        attn_qk=attn_qk,
+        attn_pv=attn_pv,
         output_layer=linear if s.output_layer else NONE,
         skip_layers=skip,
         notes=tuple(dict.fromkeys(notes)),

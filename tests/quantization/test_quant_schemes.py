@@ -276,6 +276,11 @@ NON_DEFAULT_RUNS = [
     ["--quant-recipe", "nvfp4", "--fp8-power-2-scales", "--quant-kernels", "triton"],
     ["--quant-scheme", "linear_mxfp4", "--quant-recipe-file", "recipe.yaml",
      "--quant-weight-2d", "--quant-stochastic-rounding", "all"],
+    ["--quant-backward-override", "dequantized", "--quant-accumulation-bits", "13",
+     "--quant-accumulation-group", "16", "--quant-accumulation-promotion", "64",
+     "--quant-accumulation-gemms", "fprop", "--fp8-format", "hybrid",
+     "--fp8-dot-product-attention", "--fp8-attention-backward", "high_precision",
+     "--fp8-attention-dp", "high_precision"],
 ]
 
 
