@@ -294,6 +294,13 @@ def _add_checkpointing_args(parser):
                        help="Do not load optimizer state when loading a checkpoint.")
     group.add_argument("--no-load-rng", action="store_true",
                        help="Do not load the random number generator states.")
+    group.add_argument("--override-checkpoint-settings", action="store_true",
+                       help="Resume (--load) a checkpoint saved with other quantization "
+                            "settings (scheme, recipe, recipe file contents, FP8/MX/GEMM "
+                            "settings), another precision or another --seed than this run's: "
+                            "continue with this run's settings and name the differing ones in "
+                            "one warning line. Without it such a --load stops before training "
+                            "with one error line naming them (checkpoint value vs this run).")
     group.add_argument("--load-fallback-to-previous", action="store_true",
                        help="When the checkpoint --load would read (the tracker's iteration) "
                             "is incomplete or damaged, load the newest intact earlier "

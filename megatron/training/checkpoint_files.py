@@ -142,6 +142,12 @@ def verify_checkpoint(ckpt_dir: str) -> CheckpointFiles:
                            common=common if isinstance(common, dict) else {})
 
 
+def load_common_state(ckpt_dir: str) -> dict:
+    """The common state (common.pt) of a verified checkpoint, read as plain data."""
+    common = _check_common_state(os.path.join(ckpt_dir, COMMON_FILE))
+    return common if isinstance(common, dict) else {}
+
+
 def _check_common_state(path: str):
     """`common.pt` must load as plain data (no code) and be complete; returns it."""
     try:

@@ -28,7 +28,9 @@ to the newest intact earlier one.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
 import logging
 import os
 import pickle
@@ -36,6 +38,7 @@ import random
 import re
 import secrets
 import shutil
+import stat
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -50,7 +53,8 @@ from megatron.quantization.delayed_scaling import histories_state, load_historie
 from megatron.training import run_lock
 from megatron.training.checkpoint_files import (
     CHECKSUMS_FILE, CHECKSUMS_KEY, TRACKER_FILE, check_files, checkpoint_dir, digest_files,
-    first_line, list_files, read_checksums, verify_checkpoint, write_checksums)
+    first_line, list_files, load_common_state, read_checksums, verify_checkpoint,
+    write_checksums)
 from megatron.training.errors import ConfigError, TrainingError
 from megatron.training.model_args import (
     HF_CONFIG_KEY, MODEL_ARGS_KEY, MODEL_SHAPE_ARGS, TOKENIZER_VOCAB_KEY, model_args, model_shape)
@@ -73,6 +77,13 @@ class CheckpointSaveError(TrainingError):
 # The common-state key of a checkpoint that holds the model alone (an imported one): no
 # optimizer, scheduler, RNG or delayed-scaling state; --load starts those afresh.
 WEIGHTS_ONLY_KEY = "weights_only"
+# The common-state key of the settings a resume must share with the run that saved: the typed
+# quantization settings (as flags), the run's label, the sha256 of its recipe file, its
+# precision and --seed (run_settings).
+RUN_SETTINGS_KEY = "run_settings"
+OVERRIDE_FLAG = "--override-checkpoint-settings"
+# The most of a recipe file hashed (recipe files are refused beyond 1 MiB anyway).
+_RECIPE_FILE_BYTES = 1 << 24
 
 
 def read_tracker(root: str) -> Optional[int]:
@@ -186,6 +197,9 @@ def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_s
     if weights_only:
         state[WEIGHTS_ONLY_KEY] = True
         return state
+    settings = run_settings(args)
+    if settings is not None:
+        state[RUN_SETTINGS_KEY] = settings
     if not (is_loading and args.no_load_rng):
         state["rng_state"] = _rng_sharded_object(None if is_loading else _rng_state())
     if _uses_delayed_scaling(model) and load_histories:
@@ -504,6 +518,172 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
                                   f"failed: {problem}; {kept}")
     log(f"saved checkpoint at iteration {iteration} to {final}")
     return final
+
+
+# ---------------------------------------------------------------------------------------------
+# The settings a resume shares with the run that saved
+# ---------------------------------------------------------------------------------------------
+
+
+def _plain(value):
+    """A flag's value as a checkpoint's common state holds it (plain data, tuples as lists)."""
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _file_sha256(path: Optional[str]) -> Optional[str]:
+    """sha256 of a regular file's bytes (None without a path, or when it cannot be read)."""
+    if not path:
+        return None
+    digest = hashlib.sha256()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            digest.update(f.read(_RECIPE_FILE_BYTES))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def run_settings(args) -> Optional[dict]:
+    """What a checkpoint records of the run that saved it, for a resume to compare: the typed
+    quantization settings as flags (QuantSettings.as_flags), the run's label, the sha256 of
+    its --quant-recipe-file, its precision and --seed. None without a quantization config."""
+    quant = getattr(args, "quant_config", None)
+    if quant is None:
+        return None
+    flags = quant.settings.as_flags()
+    return {
+        "quantization": {dest: _plain(value) for dest, value in flags.items()},
+        "label": quant.label,
+        "recipe_file_sha256": _file_sha256(flags.get("quant_recipe_file")),
+        "precision": getattr(args, "params_dtype_name", None),
+        "seed": getattr(args, "seed", None),
+    }
+
+
+def _setting_dests(obj) -> List[str]:
+    """The flag dests of a settings dataclass tree (quantization.config's fields)."""
+    dests = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            dests += _setting_dests(value)
+        elif f.metadata.get("flag"):
+            dests.append(f.metadata["flag"].lstrip("-").replace("-", "_"))
+    return dests
+
+
+def _flag_value(value) -> str:
+    """How a message shows a flag's value: `--fp8-format hybrid`, `--quant-weight-cache
+    off`, `--fp8-recipe unset`."""
+    if value is None:
+        shown = "unset"
+    elif isinstance(value, bool):
+        shown = "on" if value else "off"
+    elif isinstance(value, list):
+        shown = " ".join(map(str, value)) if value else "none"
+    else:
+        shown = str(value)
+    return shown
+
+
+def _versus(flag: str, saved, current) -> str:
+    return f"{flag} {_flag_value(saved)} (checkpoint) vs {_flag_value(current)} (this run)"
+
+
+def _uses_delayed(quant) -> bool:
+    """Whether any site of the run's quantization scales FP8 operands from amax histories."""
+    return any(cfg.delayed(f) for cfg in quant.site_configs() for f in cfg.formats)
+
+
+def compare_run_settings(root: str, ckpt: str, args) -> List[str]:
+    """The lines a resume of `ckpt` prints about its settings; ConfigError (one line naming
+    every setting that changes the numerics, checkpoint value vs this run's) unless they are
+    this run's or --override-checkpoint-settings is given. Settings that do not change the
+    results (kernels, weight cache, attention path) are stated in one note."""
+    common = load_common_state(ckpt)
+    name = os.path.basename(ckpt)
+    if common.get(WEIGHTS_ONLY_KEY):
+        return []            # an imported model: its training starts afresh in this run
+    current = run_settings(args)
+    saved = common.get(RUN_SETTINGS_KEY)
+    if current is None:
+        return []
+    if not isinstance(saved, dict) or not isinstance(saved.get("quantization"), dict):
+        return [f"note: --load {root}: {name} records no quantization settings, precision or "
+                "seed (saved before checkpoints recorded them): they cannot be compared with "
+                f"this run's ({current['label']}, {current['precision']}, --seed "
+                f"{current['seed']}); resuming takes this run's"]
+    quant = args.quant_config
+    neutral = set(_setting_dests(quant.settings.backend))
+    defaults = {dest: _plain(value) for dest, value in
+                type(quant.settings)().as_flags().items()}
+    differ, stated = [], []
+    saved_q, current_q = saved["quantization"], current["quantization"]
+    for dest in list(current_q) + [d for d in saved_q if d not in current_q]:
+        if dest == "quant_recipe_file":
+            continue
+        # A setting unknown to one side had its default there (added or removed since).
+        was = saved_q.get(dest, defaults.get(dest))
+        now = current_q.get(dest, defaults.get(dest))
+        if _plain(was) == _plain(now):
+            continue
+        text = _versus("--" + dest.replace("_", "-"), was, now)
+        (stated if dest in neutral else differ).append(text)
+    was_file, now_file = saved_q.get("quant_recipe_file"), current_q.get("quant_recipe_file")
+    was_sha, now_sha = saved.get("recipe_file_sha256"), current["recipe_file_sha256"]
+    if was_sha != now_sha or (was_file is None) != (now_file is None):
+        short = lambda path, sha: "unset" if path is None else \
+            f"{path} (sha256 {sha[:12] if sha else 'unreadable'})"
+        differ.append(f"--quant-recipe-file {short(was_file, was_sha)} (checkpoint) vs "
+                      f"{short(now_file, now_sha)} (this run)")
+    elif was_file != now_file:
+        stated.append(f"--quant-recipe-file {was_file} (checkpoint) vs {now_file} (this run; "
+                      "the same contents)")
+    if saved.get("precision") != current["precision"]:
+        differ.append(f"precision {saved.get('precision')} (checkpoint) vs "
+                      f"{current['precision']} (this run; --bf16, --fp16 or neither)")
+    if saved.get("seed") != current["seed"]:
+        differ.append(_versus("--seed", saved.get("seed"), current["seed"]))
+    lines = []
+    if stated:
+        lines.append(f"note: --load {root}: {name} was saved with " + "; ".join(stated) +
+                     "; these settings do not change the results (bit for bit the same)")
+    if not differ:
+        return lines
+    dropped = common.get("has_amax_histories") and not _uses_delayed(quant)
+    labels = (f" ({saved.get('label')} (checkpoint) vs {current['label']} (this run))"
+              if saved.get("label") != current["label"] else "")
+    if not getattr(args, "override_checkpoint_settings", False):
+        raise ConfigError(
+            f"--load {root}: {name} was saved with other settings than this run's{labels}: "
+            + "; ".join(differ) + "; resuming would change how it trains without a word"
+            + (" and drop its delayed-scaling amax histories" if dropped else "")
+            + ": pass the checkpoint's settings, or add " + OVERRIDE_FLAG + " to continue "
+            "with this run's")
+    lines.append(
+        f"warning: --load {root}: continuing {name} with this run's settings, not the "
+        f"checkpoint's ({OVERRIDE_FLAG}){labels}: " + "; ".join(differ)
+        + ("; its delayed-scaling amax histories are not used (this run has no delayed "
+           "scaling)" if dropped else ""))
+    return lines
+
+
+def check_run_settings(root: str, found: Optional[Tuple[int, str]], args, log=print) -> None:
+    """compare_run_settings for the checkpoint checkpoint_to_load found (nothing when there
+    is none), on rank 0: every rank raises the same ConfigError; rank 0's lines are logged."""
+    if found is None:
+        return
+    lines = _on_rank_0(lambda: compare_run_settings(root, found[1], args))
+    for line in lines:
+        log(line)
 
 
 def check_model_shape(load_dir: str, ckpt_dir: str, args) -> None:

@@ -548,6 +548,8 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
         checkpointing.lock_save_dir(args.save)     # one run per --save directory, until exit
     to_load = checkpointing.checkpoint_to_load(
         args.load, args.load_fallback_to_previous, log=print_rank_0) if args.load else None
+    if args.load:       # the settings it was saved with are this run's, or it says so
+        checkpointing.check_run_settings(args.load, to_load, args, log=print_rank_0)
     try:
         ddp_model, raw_model, optimizer, scheduler, _ = setup_model_and_optimizer(args)
     except (RuntimeError, MemoryError) as exc:
