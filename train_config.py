@@ -105,11 +105,14 @@ def build_parser(fa: bool = False) -> argparse.ArgumentParser:
     else:
         exp.add_argument("--quant-scheme", "--quantization", dest="quant_scheme",
                          action="append", default=None, metavar="SCHEME",
-                         help=f"Quantization scheme: {', '.join(ex.QUANT_SCHEMES)} (a bare "
-                              f"format {'/'.join(ex.ELEMENT_FORMATS)} means FA_linear_<fmt>, as "
-                              "CUSTOM_QUANT_TYPE did). Default: bf16. With --dry-run, --check or "
-                              "--print-schemes: several (repeated or comma-separated) or 'all'. "
-                              "--quantization is its original name, still accepted.")
+                         help=f"Quantization scheme: the experiment matrix's "
+                              f"{', '.join(ex.QUANT_SCHEMES)} ('all' runs these), or "
+                              f"{', '.join(s for s in ex.ALL_QUANT_SCHEMES if s not in ex.QUANT_SCHEMES)}"
+                              f" (a bare format {'/'.join(ex.ELEMENT_FORMATS)} means "
+                              "FA_linear_<fmt>, as CUSTOM_QUANT_TYPE did; --list describes each). "
+                              "Default: bf16. With --dry-run, --check or --print-schemes: several "
+                              "(repeated or comma-separated) or 'all'. --quantization is its "
+                              "original name, still accepted.")
     exp.add_argument("--training-config", default="standard", metavar="NAME",
                      help=f"Training config: {', '.join(ex.TRAINING_CONFIG_NAMES)} (fast: smoke "
                           "test; standard: the model's pretraining recipe). Default: standard.")

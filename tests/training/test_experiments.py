@@ -131,6 +131,24 @@ class TestMatrix:
             assert name in out
         assert "deepseek2-lite" in out  # the alias is listed
 
+    def test_list_names_every_accepted_scheme_and_marks_the_matrix(self, capsys):
+        """--list shows every scheme --quant-scheme accepts (the ten of the matrix and the
+        newer formats'), one line each, the matrix's marked; --help names them all too."""
+        assert train_config.main(["--list"]) == 0
+        out = capsys.readouterr().out
+        lines = {line.split()[0]: line for line in out.splitlines()
+                 if line.startswith("  ") and line.split()[0] in ex.ALL_QUANT_SCHEMES}
+        assert list(lines) == list(ex.ALL_QUANT_SCHEMES) and len(lines) == 22
+        marked = [name for name, line in lines.items() if "[matrix]" in line]
+        assert marked == list(SCHEMES)
+        assert "NVFP4" in lines["FA_linear_nvfp4"] and "MXFP6 (E2M3)" in lines["linear_mxfp6_e2m3"]
+        assert "[matrix]" in out.split("Quantization schemes")[1].splitlines()[0]
+        with pytest.raises(SystemExit):
+            train_config.main(["--help"])
+        help_text = " ".join(capsys.readouterr().out.split())
+        for name in ex.ALL_QUANT_SCHEMES:
+            assert name in help_text
+
     def test_list_subprocess(self):
         """The real command line, once: --list from another working directory."""
         out = subprocess.run([PY, os.path.join(REPO_ROOT, "train_config.py"), "--list"],

@@ -5,23 +5,36 @@ from __future__ import annotations
 from megatron.training import corpora
 from megatron.training.experiments.commands import format_number
 from megatron.training.experiments.matrix import (
-    ALL_DATASETS, DATASET_DESCRIPTIONS, DATASETS, FA_QUANTIZATIONS, MODELS, QUANT_SCHEMES,
-    TRAINING_CONFIG_DESCRIPTIONS, TRAINING_CONFIG_NAMES, ModelSpec, TrainingConfig)
+    ALL_DATASETS, ALL_QUANT_SCHEMES, DATASET_DESCRIPTIONS, DATASETS, FA_QUANTIZATIONS, MODELS,
+    QUANT_SCHEMES, TRAINING_CONFIG_DESCRIPTIONS, TRAINING_CONFIG_NAMES, ModelSpec,
+    TrainingConfig)
 
 # What each scheme prefix quantizes; {fmt} is the element format.
 QUANT_SCHEME_DESCRIPTIONS = {
     "bf16": "nothing quantized (high-precision baseline)",
-    "FA": "attention QK^T in {fmt} (PV stays high precision)",
+    "FA": "attention QK^T in {fmt}; PV stays high precision",
     "linear": "every linear layer of every transformer layer in {fmt}",
     "FA_linear": "attention QK^T and every linear layer in {fmt}",
 }
 
 
+# How the element formats of scheme names read.
+FORMAT_TITLES = {"mxfp8": "MXFP8", "mxfp4": "MXFP4", "hifp8": "HiFP8", "nvfp4": "NVFP4",
+                 "mxfp6_e2m3": "MXFP6 (E2M3)", "mxfp6_e3m2": "MXFP6 (E3M2)",
+                 "fp8": "FP8 (format and scaling per --fp8-format, --fp8-recipe)"}
+MATRIX_MARK = "[matrix]"
+
+
 def describe_quant_scheme(quant_scheme: str) -> str:
     if quant_scheme == "bf16":
         return QUANT_SCHEME_DESCRIPTIONS["bf16"]
-    prefix, fmt = quant_scheme.rsplit("_", 1)
-    return QUANT_SCHEME_DESCRIPTIONS[prefix].format(fmt=fmt.upper())
+    # The longest prefix first: FA_linear_<fmt> before FA_<fmt>; formats may hold "_".
+    for prefix in ("FA_linear", "linear", "FA"):
+        if quant_scheme.startswith(prefix + "_"):
+            fmt = quant_scheme[len(prefix) + 1:]
+            return QUANT_SCHEME_DESCRIPTIONS[prefix].format(fmt=FORMAT_TITLES.get(fmt,
+                                                                                  fmt.upper()))
+    raise ValueError(f"not a scheme name: {quant_scheme!r}")
 
 
 def describe_fa_quantization(name: str) -> str:
@@ -75,9 +88,13 @@ def format_listing(fa: bool = False) -> str:
         for name in FA_QUANTIZATIONS:
             out.append(f"  {name:<15} {describe_fa_quantization(name)}")
     else:
-        out.append("Quantization schemes (--quant-scheme):")
-        for quant_scheme in QUANT_SCHEMES:
-            out.append(f"  {quant_scheme:<15} {describe_quant_scheme(quant_scheme)}")
+        out.append(f"Quantization schemes (--quant-scheme; {MATRIX_MARK}: the experiment "
+                   f"matrix, what 'all' and the launchers run; {len(ALL_QUANT_SCHEMES)} in all):")
+        width = max(len(name) for name in ALL_QUANT_SCHEMES)
+        for quant_scheme in ALL_QUANT_SCHEMES:
+            mark = MATRIX_MARK if quant_scheme in QUANT_SCHEMES else ""
+            out.append(f"  {quant_scheme:<{width}} {mark:<{len(MATRIX_MARK)}} "
+                       f"{describe_quant_scheme(quant_scheme)}")
     out.append("")
     out.append("Training configs (--training-config):")
     for name in TRAINING_CONFIG_NAMES:
