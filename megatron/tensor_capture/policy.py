@@ -16,6 +16,17 @@ from megatron.tensor_capture.roles import REQUANT, RESULT, Role, tensor_names
 
 COMPONENTS = ("attention", "linear")
 
+# The output layer (layer 0 in layer lists and record names; module `output_layer`) is left
+# out unless asked for: its operands are [tokens, vocabulary] (128256 columns with the Llama 3
+# tokenizer: most of a capture's bytes, 80% of a llama-tiny one), it stays in high precision
+# unless --quant-output-layer, and the question a capture answers is per transformer layer.
+# Asked for: --tensor-save-layers naming 0, --tensor-save-filter or a rule's `layers` regex
+# matching `output_layer`, or a rule's `modules` listing it.
+OUTPUT_LAYER = 0
+OUTPUT_LAYER_MODULE = "output_layer"
+OUTPUT_LAYER_NOTE = ("output layer: not captured (ask with --tensor-save-layers 0 ..., or a "
+                     "capture rule naming output_layer)")
+
 # Captured unless --tensor-save-kinds says otherwise (plus every quantized operand).
 DEFAULT_TENSORS = {
     "attention": ("query", "key", "value", "output",
@@ -189,6 +200,12 @@ class CaptureRule:
     schedule: Schedule = Schedule()
     stats: Optional[FrozenSet[str]] = None
 
+    @property
+    def names_output_layer(self) -> bool:
+        """Whether this rule asks for the output layer by name (its `modules` or `layers`)."""
+        return (self.modules is not None and OUTPUT_LAYER_MODULE in self.modules) or \
+            (self.layers is not None and self.layers.search(OUTPUT_LAYER_MODULE) is not None)
+
     def selects(self, info, role: Role, quantized: bool) -> bool:
         if self.layers is not None and self.layers.search(info.module_path) is None:
             return False
@@ -227,6 +244,9 @@ class CapturePolicy:
     S+1..S+N of a run resumed at S (the first N of the run; 0 = every iteration; None = no
     window). `layers` (--tensor-save-layers) and `name_filter` (--tensor-save-filter) narrow
     every rule. Without rules, one rule captures the selected `kinds` in full mode.
+
+    The output layer (layer 0) is captured only when asked for (OUTPUT_LAYER above): by
+    `layers` or `name_filter`, and then by any rule, or by the rules that name it.
     """
 
     control_iter: Optional[int] = 1
@@ -242,6 +262,12 @@ class CapturePolicy:
             self.rules = (CaptureRule(kinds=self.kinds),)
         self._active = tuple(r for r in self.rules if r.mode != "off")
         self._rule_of = {}
+        # The output layer named by the flags (every rule may take it), else by rules.
+        self._output_by_flags = (self.layers is not None and OUTPUT_LAYER in self.layers) or \
+            (self.name_filter is not None and
+             self.name_filter.search(OUTPUT_LAYER_MODULE) is not None)
+        self._output_rules = tuple(r for r in self.rules
+                                   if self._output_by_flags or r.names_output_layer)
 
     # -- iterations ------------------------------------------------------------------------
 
@@ -281,7 +307,14 @@ class CapturePolicy:
         return micro_batch < self.micro_batches
 
     def captures_layer(self, layer: int) -> bool:
+        if layer == OUTPUT_LAYER:
+            return self.output_layer_asked and (self.layers is None or layer in self.layers)
         return self.layers is None or layer in self.layers
+
+    @property
+    def output_layer_asked(self) -> bool:
+        """Whether the output layer is captured by any rule (see OUTPUT_LAYER)."""
+        return any(r.mode != "off" for r in self._output_rules)
 
     def captures_name(self, name: str) -> bool:
         return self.name_filter is None or self.name_filter.search(name) is not None
@@ -298,7 +331,8 @@ class CapturePolicy:
             rule = None
             if self.captures_layer(info.layer) and \
                     self.captures_name(info.record_name(role)):
-                rule = next((r for r in self.rules if r.selects(info, role, quantized)), None)
+                rules = self._output_rules if info.layer == OUTPUT_LAYER else self.rules
+                rule = next((r for r in rules if r.selects(info, role, quantized)), None)
             self._rule_of[key] = rule if rule is not None and rule.mode != "off" else None
         return self._rule_of[key]
 
@@ -311,4 +345,5 @@ class CapturePolicy:
         return rule
 
     def describe(self) -> str:
-        return " | ".join(r.describe() for r in self.rules)
+        text = " | ".join(r.describe() for r in self.rules)
+        return text if self.output_layer_asked else f"{text} | {OUTPUT_LAYER_NOTE}"

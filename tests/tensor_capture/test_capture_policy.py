@@ -118,6 +118,78 @@ class TestPolicy:
         assert every.captures_iteration(1000) and every.last_iteration is None
 
 
+def _output_layer_site(config=None):
+    """The output layer's GEMM site as the model builds it (layer number None: layer 0)."""
+    return site_info(GemmSite("output_layer", "output_layer", None,
+                              config or MatmulQuantConfig()))
+
+
+def _layer_site(layer=1):
+    path = f"decoder.layers.{layer - 1}.mlp.linear_fc1"
+    return site_info(GemmSite(path, "linear", layer, MatmulQuantConfig()))
+
+
+class TestOutputLayer:
+    """The output layer ([tokens, vocabulary]: 128256 columns with the Llama 3 tokenizer, most
+    of a capture) is captured only when asked for: --tensor-save-layers naming 0, a
+    --tensor-save-filter or a rule's `layers` matching `output_layer`, or a rule's `modules`
+    listing it."""
+
+    ROLE = tensor_names("linear")["grad_output"]
+
+    def captured(self, policy, info):
+        return policy.captures_layer(info.layer) and \
+            policy.rule_for(info, self.ROLE, False) is not None
+
+    def test_left_out_by_default_and_the_transformer_layers_kept(self):
+        policy = CapturePolicy()
+        assert not self.captured(policy, _output_layer_site())
+        assert self.captured(policy, _layer_site(1))
+        assert "output layer: not captured" in policy.describe()
+
+    def test_even_when_quantized(self):
+        config = MatmulQuantConfig(fprop=OperandFormats("mxfp8", "mxfp8"))
+        assert not self.captured(CapturePolicy(), _output_layer_site(config))
+
+    @pytest.mark.parametrize("ask", [
+        dict(layers=frozenset({0})),
+        dict(layers=frozenset({0, 1})),
+        dict(name_filter=re.compile(r"_L1_|output_layer")),
+        dict(rules=(CaptureRule(modules=frozenset({"output_layer"})),)),
+        dict(rules=(CaptureRule(layers=re.compile(r"output_layer")),)),
+    ])
+    def test_captured_when_asked(self, ask):
+        policy = CapturePolicy(**ask)
+        assert self.captured(policy, _output_layer_site())
+        assert "output layer: not captured" not in policy.describe()
+
+    def test_only_the_rule_that_names_it_decides(self):
+        everything = CaptureRule(name="everything", mode="full")
+        logits = CaptureRule(name="logits", modules=frozenset({"output_layer"}), mode="stats")
+        policy = CapturePolicy(rules=(everything, logits))
+        assert policy.rule_for(_output_layer_site(), self.ROLE, False).name == "logits"
+        assert policy.rule_for(_layer_site(2), self.ROLE, False).name == "everything"
+
+    def test_the_flags(self, monkeypatch):
+        policy = lambda extra: CapturePolicy(  # noqa: E731
+            layers=validated(["--save-tensors"] + extra, monkeypatch).capture_config.layers)
+        assert not self.captured(policy([]), _output_layer_site())
+        assert self.captured(policy(["--tensor-save-layers", "0", "1-2"]), _output_layer_site())
+
+    def test_the_estimate_leaves_it_out(self):
+        from megatron.tensor_capture.estimate import SiteShape, estimate_bytes
+
+        policy = CapturePolicy()
+        dims = {"...": 8, "tokens": 8, "in_features": 16, "out_features": 128256}
+        shapes = [SiteShape(_output_layer_site(), MatmulQuantConfig(), dims)]
+
+        def plan(info, role, quantized):
+            rule = policy.rule_for(info, role, quantized)
+            return None if rule is None else (rule.mode, 1)
+
+        assert estimate_bytes(shapes, plan, 1, 2) == 0
+
+
 class TestNaming:
     def test_short_module_names(self):
         short = naming.short_module_name
