@@ -14,7 +14,7 @@
 #   --mode MODE                  visualize, collect or both (instead of the positional MODE)
 #   --tensor-dir DIR             capture root (default ./enhanced_tensor_logs); in visualize mode
 #                                it may be absent when loss logs or telemetry are given
-#   --output-dir DIR             visualisation output (default ./draw)
+#   --output-dir DIR             visualisation output (default ./runs/draw/<time>)
 #   --loss-dir DIR               training logs named by scheme (bf16.log, ...; *-capture.log
 #                                are left out), e.g. runs/demo/logs; may be repeated
 #   --loss-logs NAME=PATH        one training log or TensorBoard directory per run; may be
@@ -35,7 +35,7 @@
 #   -h, --help                   this text
 #
 # Examples:
-#   ./run_tensor_draw.sh visualize --tensor-dir ./enhanced_tensor_logs --output-dir ./draw
+#   ./run_tensor_draw.sh visualize --tensor-dir ./enhanced_tensor_logs --output-dir runs/draw/mine
 #   ./run_tensor_draw.sh visualize --loss-dir runs/demo/logs --tensorboard-dir runs/demo/tensorboard
 #   ./run_tensor_draw.sh both mxfp8
 #   ./run_tensor_draw.sh --mode both --quant-scheme FA_linear_mxfp8 --control-iter 3 --collect-micro-batches 2
@@ -74,7 +74,7 @@ MODE=""
 TENSOR_DIR=./enhanced_tensor_logs
 TENSOR_DIR_GIVEN=0
 SOURCE_ARGS=()              # --loss-dir / --loss-logs / --tensorboard-dir for the visualiser
-OUTPUT_DIR=./draw
+OUTPUT_DIR=""
 COLLECT_MODE=""
 QUANT_SCHEMES=()
 COLLECT_ARGS=()
@@ -123,6 +123,8 @@ case $COLLECT_MODE in
     *) die "unknown --collect-mode '$COLLECT_MODE'; valid: single, batch, quick" ;;
 esac
 LOG_DIR=${LOG_DIR:-./runs/tensor_collection/$(date +%Y%m%d_%H%M%S)}
+# Under runs/ (ignored by git), like the collection's logs: never a ./draw beside the sources.
+OUTPUT_DIR=${OUTPUT_DIR:-./runs/draw/$(date +%Y%m%d_%H%M%S)}
 LOSS_ARGS=()
 
 collect() {

@@ -94,6 +94,19 @@ class TestUsage:
         assert "not found" in proc.stderr or "not installed" in proc.stderr
 
 
+def test_draw_output_defaults_under_runs(tmp_path):
+    """Without --output-dir the report goes to runs/draw/<time>/ (ignored by git, like the
+    collection logs under runs/), never to a ./draw/ beside the sources."""
+    proc = run(DRAW, "visualize", "--tensor-dir", str(tmp_path), "--dry-run", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    command = next(line for line in proc.stdout.splitlines() if "visualizing:" in line)
+    argv = shlex.split(command.split("visualizing:", 1)[1])
+    output = argv[argv.index("--output-dir") + 1]
+    assert output.startswith("./runs/draw/") and len(output) > len("./runs/draw/"), output
+    assert "runs/draw" in run(DRAW, "--help").stdout
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 def test_batch_dry_run_commands_are_valid(tmp_path):
     """Dry runs print the exact commands; they parse and validate with the real parser."""
     proc = run(COLLECT, "batch", "bf16", "mxfp4", "--model", "llama32-1b", "--dataset", "dolma",
