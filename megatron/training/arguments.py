@@ -21,6 +21,7 @@ import os
 from typing import Callable, Iterable, List, Optional, Tuple
 
 from megatron.training.capture_arguments import add_tensor_args, validate_tensor_args
+from megatron.training.checkpoint_files import file_problem, loadable_checkpoint_files
 from megatron.training.errors import ConfigError
 from megatron.training.memory_arguments import add_memory_args, validate_memory_args
 from megatron.training.model_args import (
@@ -462,7 +463,9 @@ def parse_args(argv: Optional[Iterable[str]] = None, extra_args_provider=None,
         args = parser.parse_args(argv)
     args.rank = int(os.getenv("RANK", "0"))
     args.world_size = int(os.getenv("WORLD_SIZE", "1"))
-    if args.load:
+    if args.load and loadable_checkpoint_files(args.load):
+        # (A tracker or common.pt that is a FIFO or a device is not read here: the --load
+        # checks name it in one line once the flags are validated.)
         recorded = recorded_model_args(args.load)
         if recorded is not None:
             _take_checkpoint_model_args(parser, args, recorded,
@@ -547,6 +550,12 @@ def parse_data_path(data_path: List[str]):
 
 
 def _check_dataset_prefix(prefix: str) -> None:
+    for ext in (".bin", ".idx"):
+        problem = file_problem(prefix + ext)
+        if problem not in (None, "is missing"):
+            raise ConfigError(f"--data-path {prefix}: {prefix + ext} {problem} (a FIFO or "
+                              "device cannot be memory-mapped); pass the prefix of a "
+                              "preprocessed dataset (PREFIX.bin and PREFIX.idx)")
     missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
     if missing:
         raise ConfigError(
@@ -833,6 +842,12 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
         args.data_prefixes, args.data_weights = None, None
     if args.tokenizer_type == "NullTokenizer":
         _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+    model = getattr(args, "tokenizer_model", None)
+    if model and check_paths and not os.path.isdir(model):
+        problem = file_problem(model)
+        _require(problem in (None, "is missing"),
+                 f"--tokenizer-model {model} {problem}; give the tokenizer's file (a FIFO "
+                 "would block its reader, a device never end)")
 
     # Checkpointing.
     if args.save_interval is not None:

@@ -23,6 +23,7 @@ from megatron.tensor_capture.capture_file import read_capture_file
 from megatron.tensor_capture.config import MODES, CaptureConfig, rules_mode
 from megatron.tensor_capture.policy import (
     GROUPS, CaptureRule, Schedule, parse_filter, parse_kinds, parse_layers)
+from megatron.training.checkpoint_files import file_problem
 from megatron.training.errors import ConfigError
 
 ENV_ENABLED = "TENSOR_SAVE_ENABLED"
@@ -149,6 +150,8 @@ def validate_tensor_args(args) -> None:
         name_filter = parse_filter(args.tensor_save_filter)
         iterations = parse_iterations(args.tensor_save_iters, args.train_iters)
         interval = parse_interval(args.tensor_save_interval, args.train_iters)
+        if args.tensor_save_config:
+            _check_config_file(args.tensor_save_config)
         capture_file = read_capture_file(args.tensor_save_config, args.train_iters) \
             if args.tensor_save_config else None
     except ValueError as exc:
@@ -186,6 +189,20 @@ def validate_tensor_args(args) -> None:
         drain_timeout=args.tensor_save_drain_timeout, train_iters=args.train_iters,
         num_micro_batches=args.num_micro_batches, micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length, element_bytes=2 if (args.bf16 or args.fp16) else 4)
+
+
+# A capture config file holds a few rules; anything larger is not one (and /dev/zero would be
+# read until the memory ran out).
+CONFIG_FILE_BYTES = 1 << 20
+
+
+def _check_config_file(path: str) -> None:
+    """--tensor-save-config names a regular file of at most CONFIG_FILE_BYTES (a FIFO would
+    block the reader forever, a device never end)."""
+    problem = file_problem(path, CONFIG_FILE_BYTES)
+    if problem is not None and problem != "is missing":    # (missing: the reader says so)
+        raise ConfigError(f"--tensor-save-config {path} {problem}; give a YAML or JSON file "
+                          "of capture rules")
 
 
 def _tokens(values):

@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -58,6 +59,74 @@ ALLOWED_GLOBALS = {
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
 }
+
+
+# The most a checkpoint's small files may hold: what they record is bounded (the tracker a
+# number, metadata.json a few keys, common.pt the run's arguments and records, checksums.json
+# one line per file, .metadata one record per tensor shard); a larger one is not a checkpoint
+# file of this program (a device, a file put in its place) and is not read.
+SIZE_LIMITS = {TRACKER_FILE: 64, "metadata.json": 1 << 20, COMMON_FILE: 1 << 26,
+               CHECKSUMS_FILE: 1 << 26, METADATA_FILE: 1 << 30}
+
+
+def file_kind(mode: int) -> str:
+    """'a FIFO', 'a directory', ... of an st_mode (what a path that should be a regular file
+    is instead)."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def file_problem(path: str, limit: Optional[int] = None, follow: bool = True) -> Optional[str]:
+    """Why `path` cannot be read as a regular file of at most `limit` bytes: 'is missing',
+    'is a FIFO, not a regular file' (a FIFO blocks its reader forever, a device never ends),
+    'has N bytes, more than the M ...'; None when it can. Links are followed unless
+    `follow` is False (then a link is the problem)."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is {file_kind(st.st_mode)}, not a regular file"
+    if limit is not None and st.st_size > limit:
+        return f"has {st.st_size:,} bytes, more than the {limit:,} such a file holds"
+    return None
+
+
+def read_small_file(path: str, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (OSError otherwise), opened so
+    that a FIFO swapped in after a check cannot block the read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(f"{path} has more than {limit} bytes")
+    return data
+
+
+def loadable_checkpoint_files(load_dir: str) -> bool:
+    """Whether the tracker of `load_dir` and the common.pt of the iteration it names are
+    regular files of their sizes, so that reading them cannot block or run away (model_args
+    reads them while the flags are parsed; verify_checkpoint names any problem later)."""
+    tracker = os.path.join(load_dir, TRACKER_FILE)
+    if file_problem(tracker, SIZE_LIMITS[TRACKER_FILE]) is not None:
+        return False
+    try:
+        iteration = int(read_small_file(tracker, SIZE_LIMITS[TRACKER_FILE]).strip())
+    except (OSError, ValueError):
+        return False
+    common = os.path.join(checkpoint_dir(load_dir, iteration), COMMON_FILE)
+    return iteration >= 0 and file_problem(common, SIZE_LIMITS[COMMON_FILE]) is None
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -100,14 +169,19 @@ class CheckpointFiles:
 
 
 def _regular_file(ckpt_dir: str, name: str) -> str:
-    """The path of `name` in `ckpt_dir`; ConfigError when missing or a symbolic link."""
+    """The path of `name` in `ckpt_dir`; ConfigError when missing, a symbolic link, not a
+    regular file (a FIFO would block the reader) or larger than such a file can be."""
     path = os.path.join(ckpt_dir, name)
     if os.path.islink(path):
         raise ConfigError(f"{path} is a symbolic link (to {os.path.realpath(path)}): a "
                           "checkpoint holds only its own regular files; copy the file in "
                           "instead of linking it")
-    if not os.path.isfile(path):
+    problem = file_problem(path, SIZE_LIMITS.get(name), follow=False)
+    if problem == "is missing":
         raise ConfigError(f"{path} is missing: the checkpoint is incomplete or damaged")
+    if problem is not None:
+        raise ConfigError(f"{path} {problem}: the checkpoint is damaged or not this "
+                          "program's")
     return path
 
 
@@ -300,8 +374,11 @@ def check_files(ckpt_dir: str, files: Dict[str, dict]) -> Optional[Tuple[str, st
         expected = files[name]
         if os.path.islink(path):
             return name, "is a symbolic link; a checkpoint holds only its own regular files"
-        if not os.path.isfile(path):
+        problem = file_problem(path, follow=False)
+        if problem == "is missing":
             return name, "is missing (checksums.json lists it)"
+        if problem is not None:
+            return name, problem
         try:
             size = os.path.getsize(path)
             if size != expected["size"]:

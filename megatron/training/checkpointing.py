@@ -6,17 +6,21 @@ Layout under --save:
     iter_0000010/                       one dist_checkpointing directory per saved iteration,
                                         with checksums.json (SHA-256 of every file)
 
-One run owns a --save directory: global rank 0 takes `<save>/.lock` (run_lock.py) before
-anything is built and keeps it until the run ends; a second run stops with one line naming
-the holder. A checkpoint is written into `iter_XXXXXXX.incomplete.<pid>-<token>/` (a name of
-this save alone), its files are hashed into `checksums.json`, and only then is the directory
-renamed and recorded in the tracker file (itself written to a temporary name and renamed).
-A run killed at any moment therefore leaves the tracker pointing at a complete, checksummed
-checkpoint; the `.incomplete*` directories of dead runs are removed by the next save of the
-lock holder, and a save that fails (a full disk, ...) removes its own before it reports one
-line (CheckpointSaveError). The common state records the model shape, so `--load` of a
-checkpoint made with another shape stops before training with the differing flags named, and
-the model arguments (model_args.py), which `--load` takes as the defaults of the model flags.
+One run owns a --save directory: global rank 0 locks the directory and `<save>/.lock`
+(run_lock.py) before anything is built and keeps them until the run ends; a second run stops
+with one line naming the holder. A checkpoint is written into
+`iter_XXXXXXX.incomplete.<pid>-<token>/` (a name of this save alone), its files are hashed into
+`checksums.json`, and only then is the directory renamed and recorded in the tracker file
+(itself written to a temporary name and renamed). A run killed at any moment therefore leaves
+the tracker pointing at a complete, checksummed checkpoint; the `.incomplete*` directories of
+dead runs are removed by the next save of the lock holder (after it checked that it still holds
+the directory, and never one whose writer still runs), and a save that fails (a full disk, ...)
+removes its own before it reports one line (CheckpointSaveError). The common state records the
+model shape, so `--load` of a checkpoint made with another shape stops before training with the
+differing flags named, the model arguments (model_args.py), which `--load` takes as the
+defaults of the model flags, and the run's settings (run_settings: quantization flags, label,
+recipe-file hash, precision, seed), which a resume must share or override
+(--override-checkpoint-settings; compare_run_settings).
 A weights-only checkpoint (an imported one, hf_llama.py) holds no optimizer, scheduler or RNG
 state: `--load` starts them afresh and says so.
 
@@ -52,9 +56,9 @@ from megatron.quantization.delayed_scaling import histories_state, load_historie
 
 from megatron.training import run_lock
 from megatron.training.checkpoint_files import (
-    CHECKSUMS_FILE, CHECKSUMS_KEY, TRACKER_FILE, check_files, checkpoint_dir, digest_files,
-    first_line, list_files, load_common_state, read_checksums, verify_checkpoint,
-    write_checksums)
+    CHECKSUMS_FILE, CHECKSUMS_KEY, SIZE_LIMITS, TRACKER_FILE, check_files, checkpoint_dir,
+    digest_files, file_problem, first_line, list_files, load_common_state, read_checksums,
+    read_small_file, verify_checkpoint, write_checksums)
 from megatron.training.errors import ConfigError, TrainingError
 from megatron.training.model_args import (
     HF_CONFIG_KEY, MODEL_ARGS_KEY, MODEL_SHAPE_ARGS, TOKENIZER_VOCAB_KEY, model_args, model_shape)
@@ -87,15 +91,30 @@ _RECIPE_FILE_BYTES = 1 << 24
 
 
 def read_tracker(root: str) -> Optional[int]:
+    """The iteration the tracker names; None without a tracker; ConfigError when it is not a
+    small regular file holding an iteration number (a FIFO would block, a device never end,
+    and either read as "no checkpoint" would start from scratch in silence)."""
     path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
+    problem = file_problem(path, SIZE_LIMITS[TRACKER_FILE])
+    if problem == "is missing" and not os.path.islink(path):
         return None
-    text = open(path).read().strip()
+    if problem is not None:
+        raise ConfigError(f"--load {root}: {TRACKER_FILE} {problem}; it must hold the "
+                          "iteration of the newest checkpoint: fix or delete the file")
     try:
-        return int(text)
+        text = read_small_file(path, SIZE_LIMITS[TRACKER_FILE]).decode("utf-8", "replace")
+    except OSError as exc:
+        raise ConfigError(f"--load {root}: {TRACKER_FILE} cannot be read ({exc}); fix or "
+                          "delete the file") from None
+    text = text.strip()
+    try:
+        iteration = int(text)
     except ValueError:
+        iteration = -1
+    if iteration < 0:
         raise ConfigError(f"--load {root}: {TRACKER_FILE} holds {text!r}, not an iteration "
-                          "number; fix or delete the file") from None
+                          "number; fix or delete the file")
+    return iteration
 
 
 def _write_tracker(root: str, iteration: int) -> None:

@@ -21,9 +21,13 @@ The sidecar `PREFIX.json` (written by tools/preprocess_data.py next to the .bin/
 the tokenizer the data was built with, its vocabulary size and the largest token id, plus the
 file sizes it describes. At start the run compares the largest id with its own vocabulary
 (one error line when an id would not fit) and the recorded tokenizer with its own (one
-`warning:` line when they differ). Without a sidecar the `.bin` is scanned for its largest id
-(chunked numpy), and a `tokenizer.json` beside the data, or the directory's `sources.json`
-(the embedded corpora's record), stands in for the tokenizer record.
+`warning:` line when they differ); the recorded id is checked against a scan of a `.bin` up
+to SIDECAR_VERIFY_BYTES (a hand-edited or stale record must not let an id outside the
+vocabulary reach the embedding), and above that the training loop checks every batch. Without
+a sidecar the `.bin` is scanned for its largest id (chunked numpy), and a `tokenizer.json`
+beside the data, or the directory's `sources.json` (the embedded corpora's record), stands in
+for the tokenizer record. Every file read here must be a regular file (a FIFO would block the
+reader, a device never end), the JSON ones small.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy
 
+from megatron.training.checkpoint_files import file_problem, read_small_file
 from megatron.training.errors import ConfigError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -52,6 +57,8 @@ REBUILD = "rebuild it with tools/preprocess_data.py"
 # whatever the corpus size.
 CHUNK = 1 << 22
 
+# The most a sidecar (or a corpus's sources.json) is read of: they record a few fields.
+SIDECAR_BYTES = 1 << 24
 SIDECAR_FORMAT = "megatron-lowp indexed dataset"
 SIDECAR_VERSION = 1
 # Without a sidecar the .bin is scanned; above this size a note line says so and how long.
@@ -327,11 +334,13 @@ def read_sidecar(prefix: str, code: int, sequences: int, documents: int,
     """(sidecar, None) when PREFIX.json describes these files; (None, note) when it exists
     but is unusable (not ours, damaged, or written for other files); (None, None) without."""
     path = sidecar_path(prefix)
-    if not os.path.isfile(path):
+    problem = file_problem(path, SIDECAR_BYTES)
+    if problem == "is missing":
         return None, None
+    if problem is not None:
+        return None, f"note: ignoring {path} ({problem}); the .bin is scanned instead"
     try:
-        with open(path, encoding="utf-8") as f:
-            content = json.load(f)
+        content = json.loads(read_small_file(path, SIDECAR_BYTES).decode("utf-8"))
     except (OSError, ValueError) as exc:
         return None, f"note: ignoring {path} (unreadable: {str(exc).splitlines()[0][:120]})"
     if not isinstance(content, dict) or content.get("format") != SIDECAR_FORMAT:
@@ -360,9 +369,10 @@ def _sources_json_tokenizer(prefix: str) -> Optional[Dict]:
     """The tokenizer recorded in the directory's sources.json (the embedded corpora's record,
     tools/build_corpus.py and tools/train_tokenizer.py), if it describes this prefix."""
     path = os.path.join(os.path.dirname(prefix), "sources.json")
+    if file_problem(path, SIDECAR_BYTES) is not None:
+        return None                     # missing, or nothing a corpus build wrote
     try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
+        meta = json.loads(read_small_file(path, SIDECAR_BYTES).decode("utf-8"))
         if meta.get("data_prefix") != os.path.basename(prefix):
             return None
         tokenizer = meta["tokenizer"]
@@ -551,9 +561,14 @@ def check_dataset(prefix: str, tokenizer=None) -> List[str]:
     `warning:`/`note:` lines to print."""
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     for path in (idx_path, bin_path):
-        if not os.path.isfile(path):
+        problem = file_problem(path)
+        if problem == "is missing":
             raise ConfigError(f"--data-path {prefix}: {path} not found; pass the prefix of a "
                               "preprocessed dataset (PREFIX.bin and PREFIX.idx)")
+        if problem is not None:
+            raise ConfigError(f"--data-path {prefix}: {path} {problem} (a FIFO or device "
+                              "cannot be memory-mapped); pass the prefix of a preprocessed "
+                              "dataset (PREFIX.bin and PREFIX.idx)")
     code, sequences, documents = index_counts(idx_path)
     actual = os.path.getsize(bin_path)
     check_index_entries(idx_path, bin_path, code, sequences, documents, actual)
