@@ -22,6 +22,7 @@ MX_FORMATS = {
     "mxfp8_e5m2": ("e5m2", 256, 15, 57344.0, ml_dtypes.float8_e5m2),
     "mxfp4": ("e2m1", 16, 2, 6.0, ml_dtypes.float4_e2m1fn),
 }
+MX_MANTISSA_BITS = {"mxfp8_e4m3": 3, "mxfp8_e5m2": 2, "mxfp4": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,9 +137,15 @@ def mx_reference_exponents(x: np.ndarray, fmt: str, scale_mode: str = "floor") -
     blocks = padded.reshape(x.shape[:-1] + (nb, 32))
     bad = ~np.isfinite(blocks).all(axis=-1)
     amax = np.where(bad, 1.0, np.abs(np.where(np.isfinite(blocks), blocks, 0)).max(axis=-1))
+    mant, k = np.frexp(amax)                         # amax = mant * 2**k, mant in [0.5, 1)
     if scale_mode == "floor":
-        _, k = np.frexp(amax)
         e = k.astype(np.int64) - 1 - emax
+    elif scale_mode == "ceil":                       # ceil(log2 amax) - emax
+        e = k.astype(np.int64) - (mant == 0.5) - emax
+    elif scale_mode == "even":                       # floor of amax rounded half up to mbits
+        ulp = np.ldexp(1.0, k - 1 - MX_MANTISSA_BITS[fmt])
+        _, k_rounded = np.frexp(np.floor(amax / ulp + 0.5) * ulp)
+        e = k_rounded.astype(np.int64) - 1 - emax
     else:
         e = _ceil_log2_ratio(amax, max_normal)
     e = np.clip(e, -127, 127)

@@ -72,6 +72,7 @@ ELEMENTS = {
     "e4m3": (decode_e4m3, 256, 8, 448.0),
     "e5m2": (decode_e5m2, 256, 15, 57344.0),
 }
+ELEMENT_MANTISSA_BITS = {"e2m1": 1, "e2m3": 3, "e3m2": 2, "e4m3": 3, "e5m2": 2}
 MX_ELEMENT = {"mxfp4": "e2m1", "mxfp6_e2m3": "e2m3", "mxfp6_e3m2": "e3m2",
               "mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2"}
 
@@ -191,17 +192,25 @@ def nvfp4_reference(x, axis: int = -1, block_2d: bool = False, amax=None):
 # ---------------------------------------------------------------------------------------------
 
 def mx_exponents(x: np.ndarray, elem: str, scale_mode: str) -> np.ndarray:
-    """Shared exponents of 32-blocks along the last axis (zero-padded): floor(log2 amax) - emax
-    or the smallest e with max_normal * 2**e >= amax, from frexp (exact); clamped to
-    [-127, 127]; -127 for amax 0; 128 for blocks holding NaN/Inf."""
+    """Shared exponents of 32-blocks along the last axis (zero-padded), from frexp (exact):
+    floor: floor(log2 amax) - emax; rceil: the smallest e with max_normal * 2**e >= amax;
+    ceil: ceil(log2 amax) - emax; even: floor(log2 r) - emax with r = amax rounded half up
+    to the element's mantissa bits. Clamped to [-127, 127]; -127 for amax 0; 128 for blocks
+    holding NaN/Inf."""
     emax, max_normal = ELEMENTS[elem][2], ELEMENTS[elem][3]
     x = _pad_to(np.asarray(x, dtype=np.float64), -1, 32)
     blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // 32, 32))
     bad = ~np.isfinite(blocks).all(axis=-1)
     amax = np.where(bad, 1.0, np.abs(np.where(np.isfinite(blocks), blocks, 0)).max(axis=-1))
-    _, k = np.frexp(amax)
+    mant, k = np.frexp(amax)                         # amax = mant * 2**k, mant in [0.5, 1)
     if scale_mode == "floor":
         e = k.astype(np.int64) - 1 - emax
+    elif scale_mode == "ceil":
+        e = k.astype(np.int64) - (mant == 0.5) - emax   # log2 amax is an integer iff mant = 1/2
+    elif scale_mode == "even":
+        ulp = np.ldexp(1.0, k - 1 - ELEMENT_MANTISSA_BITS[elem])
+        _, k_rounded = np.frexp(np.floor(amax / ulp + 0.5) * ulp)
+        e = k_rounded.astype(np.int64) - 1 - emax
     else:
         e = (k - math.frexp(max_normal)[1]).astype(np.int64)
         for _ in range(3):   # max_normal * 2**e is exact in float64: settle on the smallest fit

@@ -285,8 +285,10 @@ class MxSettings(Settings):
 
     scale_mode: ScaleMode = setting(
         "floor", flag="--mx-scale-mode", recipe_key="scale_mode",
-        help="MX shared-scale rule: floor (OCP spec: floor(log2 amax) - emax) or rceil "
-             "(NVIDIA recipe: ceil(log2(amax / max_normal))).")
+        help="MX shared-scale rule: floor (OCP spec: floor(log2 amax) - emax; the block "
+             "maximum may clip), rceil (NVIDIA recipe: ceil(log2(amax / max_normal))), ceil "
+             "(torchao: ceil(log2 amax) - emax; never clips, wastes range) or even (torchao: "
+             "floor after rounding amax's mantissa, half up, to the element's bits).")
     grad_format: GradFormat = setting(
         "e4m3", flag="--mx-grad-format",
         help="Element format of the gradient operands of MXFP8 GEMMs (E4M3 as in NVIDIA's "

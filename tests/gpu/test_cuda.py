@@ -189,7 +189,7 @@ def test_compiled_gemm_operands_stay_within_the_recompile_limit(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil", "ceil", "even"])
 def test_fake_quantize_on_cuda_equals_cpu(fmt, dtype, scale_mode):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 96, generator=g) * torch.logspace(-12, 12, 96)).to(dtype)

@@ -507,6 +507,13 @@ def test_shared_exponents_from_python_frexp(fmt, scale_mode):
             expected = -127
         elif scale_mode == "floor":
             expected = math.frexp(amax)[1] - 1 - emax
+        elif scale_mode == "ceil":    # ceil(log2 amax) - emax; log2 is whole iff mantissa 1/2
+            mant, k = math.frexp(amax)
+            expected = k - (mant == 0.5) - emax
+        elif scale_mode == "even":    # amax's mantissa rounded half up to mbits, then floor
+            mant, k = math.frexp(amax)
+            steps = 2 ** (ref.MX_MANTISSA_BITS[fmt] + 1)       # mant in [1/2, 1) in 1/steps
+            expected = k - 1 - emax + (math.floor(mant * steps + 0.5) == steps)
         else:   # smallest e with maxn * 2**e >= amax, by exact float64 comparisons
             expected = math.frexp(amax)[1] - math.frexp(maxn)[1]
             while math.ldexp(maxn, expected) < amax:
@@ -588,7 +595,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"axis -3 .*ndim 2"):
         mx_shared_exponents(x, "mxfp4", axis=-3)
     with pytest.raises(ValueError, match="floor, rceil"):
-        fake_quantize(x, "mxfp8", scale_mode="ceil")
+        fake_quantize(x, "mxfp8", scale_mode="round")
     with pytest.raises(ValueError, match="saturate"):
         fake_quantize(x, "mxfp8", saturate=True)
     with pytest.raises(ValueError, match="saturate"):

@@ -398,7 +398,7 @@ def test_mxfp6_ties_and_saturation(fmt):
     assert (mx_shared_exponents(t(x), fmt, scale_mode="rceil")[big] == 1).all()
 
 
-@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil", "ceil", "even"])
 @pytest.mark.parametrize("fmt", FP6)
 def test_mxfp6_random_matches_reference(fmt, scale_mode):
     x = blockwise_wide((40, 70), seed=9, block=32, block_lo=-150, elem_span=12) * F32(2.0 ** 20)

@@ -20,7 +20,8 @@ import torch
 from interpreted import require_interpreter, run_interpreted
 
 MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4")
-SCALE_MODES = ("floor", "rceil")
+SCALE_MODES = ("floor", "rceil", "ceil", "even")
+STOCHASTIC_SCALE_MODES = ("floor", "rceil")    # the scale code is the same for every rounding
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -65,6 +66,11 @@ def special_values() -> torch.Tensor:
     rows[13, :] = 6.0 * torch.linspace(-1.3, 1.3, 70)
     rows[14, 0] = 1e-40                                 # a subnormal beside normal values
     rows[15, :] = -rows[15, :]
+    # The "even" rule's thresholds 2 - 2**-(mbits + 1) (E2M1, E3M2/E5M2, E4M3/E2M3) times
+    # powers of two, and the float32 values just below them.
+    at = torch.tensor([c * 2.0 ** k for k in range(-12, 12)
+                       for c in (1.75, 1.875, 1.9375)])[:70]
+    rows = torch.cat([rows, at[None], torch.nextafter(at, torch.zeros_like(at))[None]])
     return rows
 
 
@@ -158,6 +164,8 @@ def run_cases() -> dict:
                 # Stochastic rounding through fake_quantize (the same generator state), and
                 # with uniform numbers that include zeros (a zero rounds up anything off the
                 # grid, also fp32 subnormals that eager's x * 2**-e keeps or flushes).
+                if mode not in STOCHASTIC_SCALE_MODES:
+                    continue
                 for axis in (0, -1):
                     results[f"stochastic {fmt} {mode} {dname} axis={axis}"] = compare(
                         special.to(dtype), fmt, axis, mode, seed=7, rounding="stochastic")
@@ -235,7 +243,7 @@ def kernel_results():
 def test_mx_kernel_is_bit_exact(kernel_results, group):
     cases = {k: v for k, v in kernel_results.items() if k.startswith(group + " ")}
     # every format, scale rule and dtype (and, but for midpoints, axis) was run
-    assert len(cases) == len(MX_FORMATS) * 2 * 2 * {"random3d": 4, "specials": 3,
+    assert len(cases) == len(MX_FORMATS) * len(SCALE_MODES) * 2 * {"random3d": 4, "specials": 3,
                                                     "midpoints": 1}[group]
     failures = {k: v for k, v in cases.items() if v is not None}
     assert not failures, failures

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 FORMAT_NAMES = ("mxfp8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2",
                 "nvfp4", "fp8_e4m3", "fp8_e5m2", "hifp8", "bf16", "fp16", "none")
 _ALIASES = MappingProxyType({"mxfp8": "mxfp8_e4m3"})
-SCALE_MODES = ("floor", "rceil")
+SCALE_MODES = ("floor", "rceil", "ceil", "even")
 
 MX_BLOCK_SIZE = 32
 NVFP4_BLOCK_SIZE = 16
@@ -40,8 +40,8 @@ class FormatInfo:
 
     kind is "mx" (32-blocks with E8M0 scales), "nvfp4" (16-blocks with E4M3 scales and a
     float32 tensor scale), "fp8" (float32 scales per tensor or per tile), "hifp8", "float"
-    (bf16 / fp16 pass-through) or "none". For MX the numbers describe the element format; block values are these times the
-    block scale 2**e, e in [-127, 127]; emax_elem / emin_elem are the exponents of the largest
+    (bf16 / fp16 pass-through) or "none". For MX the numbers describe the element format;
+    block values are these times the block scale 2**e, e in [-127, 127]; emax_elem / emin_elem are the exponents of the largest
     and smallest normal element. mantissa_bits is the largest mantissa width (HiF8 has 3 near 1
     and fewer further out). overflow_threshold is the smallest magnitude that the plain cast
     sends to Inf (HiF8 only; MX elements saturate).

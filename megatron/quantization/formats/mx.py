@@ -23,10 +23,14 @@ def _block_scales(amax: torch.Tensor, info: FormatInfo, scale_mode: str):
     """(2**-e, 2**e) per block, exactly, from the block maxima (in amax's dtype).
 
     Everything is read from the float bits and stays a power of two (P2: no log2). With
-    P = 2**floor(log2 amax) (amax with its mantissa bits cleared) and max_normal = 1.n * 2**En:
-    floor:  2**e = P * 2**-emax_elem;
-    rceil:  2**e = P * 2**-En, doubled when amax > 1.n * P (the mantissa of amax exceeds
-            that of max_normal), i.e. the smallest power of two with max_normal * 2**e >= amax.
+    P = 2**floor(log2 amax) (amax with its mantissa bits cleared), floor's 2**e is
+    P * 2**-emax_elem; the other rules double it where amax is past a threshold of the form
+    P * c (exact: c has few bits):
+    rceil:  amax > 1.n * P, with max_normal = 1.n * 2**emax_elem: the smallest power of two
+            with max_normal * 2**e >= amax, i.e. e = ceil(log2(amax / max_normal));
+    ceil:   amax > P: e = ceil(log2 amax) - emax_elem (torchao's CEIL);
+    even:   amax >= (2 - 2**-(mbits + 1)) * P, where amax's mantissa rounded half up to the
+            element's mbits bits carries into the exponent (torchao's EVEN; 1.75 for E2M1).
     2**e is clamped to [2**-127, 2**127]: a zero or subnormal amax has P = 0 and gets 2**-127
     (P1), which is a float32 (and bf16) subnormal and is kept (P5). 2**-e = 1 / 2**e is exact.
     2**e is NaN for blocks holding NaN or Inf (amax * 0 is NaN there), so that dequantization
@@ -34,13 +38,17 @@ def _block_scales(amax: torch.Tensor, info: FormatInfo, scale_mode: str):
     """
     int_dtype, mbits, _, field_max = bit_layout(amax.dtype)
     pow2 = (amax.view(int_dtype) & (field_max << mbits)).view(amax.dtype)
-    if scale_mode == "floor":
-        up = pow2.mul_(2.0 ** -info.emax_elem)
-    else:
-        # max_normal = 1.n * 2**En with 1.n = 2 * mant_n and En = exp_n - 1
-        mant_n, exp_n = math.frexp(info.max_normal)
-        exceeds = amax > pow2 * (2 * mant_n)
-        up = pow2.mul_(2.0 ** (1 - exp_n)).mul_(torch.where(exceeds, 2.0, 1.0).to(amax.dtype))
+    bumped = None
+    if scale_mode == "rceil":
+        mant_n, _ = math.frexp(info.max_normal)       # max_normal = (2 * mant_n) * 2**emax_elem
+        bumped = amax > pow2 * (2 * mant_n)
+    elif scale_mode == "ceil":
+        bumped = amax > pow2
+    elif scale_mode == "even":
+        bumped = amax >= pow2 * (2.0 - 2.0 ** -(info.mantissa_bits + 1))
+    up = pow2.mul_(2.0 ** -info.emax_elem)
+    if bumped is not None:
+        up.mul_(torch.where(bumped, 2.0, 1.0).to(amax.dtype))
     up.clamp_(2.0 ** MIN_SHARED_EXPONENT, 2.0 ** MAX_SHARED_EXPONENT)
     down = torch.reciprocal(up)
     return down, up.add_(amax * 0.0)

@@ -6,9 +6,10 @@ flush to zero or fuse), so the same code gives the same bits on a GPU and under 
 interpreter (TRITON_INTERPRET=1, on the CPU), where the tests run it.
 
 Covered, for float32 and bf16 inputs:
-- the MX formats (MXFP8 E4M3/E5M2, MXFP6 E2M3/E3M2, MXFP4 E2M1), scale rules "floor" and
-  "rceil", any block axis, round to nearest or stochastic rounding (the kernel reads the
-  uniform numbers eager draws from the caller's generator, so the bits are the same);
+- the MX formats (MXFP8 E4M3/E5M2, MXFP6 E2M3/E3M2, MXFP4 E2M1), every scale rule
+  (floor, rceil, ceil, even), any block axis, round to nearest or stochastic rounding (the
+  kernel reads the uniform numbers eager draws from the caller's generator, so the bits are
+  the same);
 - HiFP8 (plain cast and saturating);
 - NVFP4 with 16-element blocks along any axis, either rounding, its own or an imposed tensor
   amax (the 0-d tensor scales are computed by the eager ops before the launch).

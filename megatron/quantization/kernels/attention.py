@@ -45,8 +45,8 @@ and dO along the rows, dO along dv) are quantized outside the kernels, once per 
 caller's own quantization function (so any format it supports, tensor-scaled ones with their
 whole-tensor scale; a stochastically rounded one is drawn once per call, as in the unfused
 path, where the chunked path draws K and V anew at every chunk); the kernels quantize only P
-and dS (four "tile slots"), with MX formats (or none), round to nearest, scale rule floor or
-rceil.
+and dS (four "tile slots"), with MX formats (or none), round to nearest, any MX scale rule
+(floor, rceil, ceil, even).
 
 Kernels: the forward (one program per query tile and group: pass 1 and pass 2 over the key
 tiles); the backward's query kernel (per query tile: a pass for delta, a pass for dQ) and key
@@ -173,12 +173,11 @@ def _quantize_rows_of(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constex
                       IS_BF16: tl.constexpr):
     """x [ROWS, COLS] (input-dtype values in float32) MX quantize-dequantized in blocks of 32
     consecutive elements of each row, rounded to the dtype: eager fake_quantize along the
-    last axis. FMT = (enabled, EMAX, EMIN, MBITS, TOP_SIG, MAX_MANT, RCEIL); x itself when not
+    last axis. FMT = (enabled, EMAX, EMIN, MBITS, TOP_SIG, BUMP_ABOVE); x itself when not
     enabled. Elements outside the tensor must be zero (they pad a short tail block)."""
     if FMT[0]:
         blocks = tl.reshape(x.to(tl.int32, bitcast=True), (ROWS * COLS // 32, 32))
-        res = mx_quantize_blocks(blocks, 0, FMT[1], FMT[2], FMT[3], FMT[4], FMT[5], FMT[6],
-                                 False)
+        res = mx_quantize_blocks(blocks, 0, FMT[1], FMT[2], FMT[3], FMT[4], FMT[5], False)
         x = _round_to_dtype(tl.reshape(res, (ROWS, COLS)).to(tl.float32, bitcast=True),
                             IS_BF16)
     return x
@@ -449,10 +448,9 @@ class TileFormats:
 def _slot_constants(fmt: str, scale_mode: str) -> tuple:
     """The FMT constexpr of _quantize_rows_of."""
     if fmt == "none":
-        return (False, 0, 0, 0, 0, 0, False)
-    c = format_constants(fmt)
-    return (True, c["EMAX"], c["EMIN"], c["MBITS"], c["TOP_SIG"], c["MAX_MANT"],
-            scale_mode == "rceil")
+        return (False, 0, 0, 0, 0, 0)
+    c = format_constants(fmt, scale_mode)
+    return (True, c["EMAX"], c["EMIN"], c["MBITS"], c["TOP_SIG"], c["BUMP_ABOVE"])
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

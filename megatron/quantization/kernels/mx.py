@@ -8,9 +8,10 @@ value is its high 16 bits):
 
     amax     the largest |x| bit pattern (it orders like the magnitudes; NaN > Inf > finite;
              the zero padding of a short tail never wins), as in the eager path;
-    e        floor: biased exponent of amax - 127 - emax_elem; rceil: one more when amax's
-             mantissa exceeds max_normal's; -127 for a zero or subnormal amax; clamped to
-             [-127, 127]; a block holding NaN or Inf comes out all NaN;
+    e        biased exponent of amax - 127 - emax_elem (floor), one more when amax's mantissa
+             field exceeds the rule's threshold (scale_rule_threshold: rceil, ceil, even);
+             -127 for a zero or subnormal amax; clamped to [-127, 127]; a block holding NaN
+             or Inf comes out all NaN;
     element  x = sig * 2**lsb exactly; the element grid spacing at x is 2**S with
              S = max(floor(log2|x|), emin_elem + e) - mbits (fp32 subnormals read their
              exponent from their leading bit); sig is rounded to a multiple of 2**(S - lsb),
@@ -44,7 +45,7 @@ GROUP = 64          # blocks of 32 per program: 2048 elements
 
 @triton.jit
 def mx_quantize_blocks(u, noise, EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
-                       TOP_SIG: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr,
+                       TOP_SIG: tl.constexpr, BUMP_ABOVE: tl.constexpr,
                        STOCHASTIC: tl.constexpr):
     """float32 bits of the MX quantize-dequantize of blocks [n, 32] (blocks along axis 1) given
     as float32 bits u (int32): the exact value, before any rounding to bf16. Zeros padding a
@@ -54,9 +55,7 @@ def mx_quantize_blocks(u, noise, EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: 
 
     # Shared exponent e per block.
     amax = tl.max(mag, axis=1)
-    e = (amax >> 23) - (127 + EMAX)
-    if RCEIL:
-        e += ((amax & 0x7FFFFF) > MAX_MANT).to(tl.int32)
+    e = (amax >> 23) - (127 + EMAX) + ((amax & 0x7FFFFF) > BUMP_ABOVE).to(tl.int32)
     e = tl.minimum(tl.maximum(e, -127), 127)     # a zero or subnormal amax: -127
     bad = amax >= 0x7F800000
 
@@ -68,7 +67,7 @@ def mx_quantize_blocks(u, noise, EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: 
 @triton.jit
 def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_row,
                    EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
-                   TOP_SIG: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr,
+                   TOP_SIG: tl.constexpr, BUMP_ABOVE: tl.constexpr,
                    STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
     offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 32)
     u = load_bits(x_ptr, offs, mask, IS_BF16)
@@ -76,19 +75,35 @@ def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_
         noise = tl.load(noise_ptr + offs, mask=mask, other=0x3F800000)   # float32 bits
     else:
         noise = 0
-    res = mx_quantize_blocks(u, noise, EMAX, EMIN, MBITS, TOP_SIG, MAX_MANT, RCEIL,
-                             STOCHASTIC)
+    res = mx_quantize_blocks(u, noise, EMAX, EMIN, MBITS, TOP_SIG, BUMP_ABOVE, STOCHASTIC)
     store_bits(y_ptr, offs, mask, res, IS_BF16)
 
 
-def format_constants(fmt: str):
+def scale_rule_threshold(fmt: str, scale_mode: str) -> int:
+    """The float32 mantissa field of a block's amax above which its shared exponent is one
+    more than the floor rule's (formats.mx._block_scales states the rules by value):
+    floor never (the field never exceeds 2**23 - 1), rceil above max_normal's field, ceil
+    above 0, even from the field of 2 - 2**-(mbits + 1) on."""
+    info = FORMAT_INFO[fmt]
+    if scale_mode == "floor":
+        return (1 << 23) - 1
+    if scale_mode == "ceil":
+        return 0
+    if scale_mode == "rceil":
+        mant, _ = math.frexp(info.max_normal)          # max_normal = 1.n * 2**emax_elem
+        return int(round((2 * mant - 1) * 2 ** 23))
+    if scale_mode == "even":
+        return (1 << 23) - (1 << (22 - info.mantissa_bits)) - 1
+    raise ValueError(f"unknown MX scale_mode {scale_mode!r}")
+
+
+def format_constants(fmt: str, scale_mode: str):
+    """The constexprs of mx_quantize_blocks for a canonical MX format and scale rule."""
     info = FORMAT_INFO[fmt]
     top_sig = info.max_normal / 2.0 ** (info.emax_elem - info.mantissa_bits)
     assert top_sig == int(top_sig), fmt
-    mant, _ = math.frexp(info.max_normal)          # max_normal = 1.n * 2**emax_elem
-    max_mant = int(round((2 * mant - 1) * 2 ** 23))
     return dict(EMAX=info.emax_elem, EMIN=info.emin_elem, MBITS=info.mantissa_bits,
-                TOP_SIG=int(top_sig), MAX_MANT=max_mant)
+                TOP_SIG=int(top_sig), BUMP_ABOVE=scale_rule_threshold(fmt, scale_mode))
 
 
 def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
@@ -116,7 +131,7 @@ def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: st
     grid = (triton.cdiv(n_blocks, GROUP),)
     noise_arg = x.view(view) if noise is None else noise.contiguous().view(torch.int32)
     _mx_qdq_kernel[grid](x.view(view), noise_arg, y.view(view), n_blocks, length, inner,
-                         blocks_per_row, RCEIL=scale_mode == "rceil",
-                         STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16,
-                         GROUP_=GROUP, **format_constants(fmt))
+                         blocks_per_row, STOCHASTIC=noise is not None,
+                         IS_BF16=x.dtype == torch.bfloat16, GROUP_=GROUP,
+                         **format_constants(fmt, scale_mode))
     return y
