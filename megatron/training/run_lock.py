@@ -43,6 +43,7 @@ import time
 from datetime import datetime
 from typing import Optional
 
+from megatron.training.checkpoint_files import file_kind
 from megatron.training.errors import ConfigError
 
 LOCK_FILE = ".lock"
@@ -275,17 +276,6 @@ def _open_lock_file(path: str, flag: str, directory: str) -> int:
         raise ConfigError(f"{flag} {directory}: its lock file {LOCK_FILE} is "
                           f"{file_kind(mode)}, not a regular file; remove it")
     return fd
-
-
-def file_kind(mode: int) -> str:
-    """'a FIFO', 'a directory', ... of an st_mode."""
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISREG, "a regular file")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _write_record(fd: int, command: Optional[str]) -> None:
