@@ -544,7 +544,8 @@ def parse_data_path(data_path: List[str]):
         except ValueError:
             raise ConfigError(f"--data-path: blend weight {weight!r} (before {path!r}) is not a "
                               "number; use 'W1 PATH1 W2 PATH2 ...'") from None
-        _require(weights[-1] > 0, f"--data-path: blend weight {weight} for {path} must be > 0")
+        _require(math.isfinite(weights[-1]) and weights[-1] > 0,
+                 f"--data-path: blend weight {weight} for {path} must be a finite number > 0")
         paths.append(path)
     return paths, weights
 

@@ -936,16 +936,95 @@ def load_checkpoint(root: str, found: Optional[Tuple[int, str]], model, optimize
                           "a shard is damaged or was not written by this program") from None
     model.load_state_dict(loaded["model"])
     if use_optim:
+        fresh_groups = _group_values(optimizer)         # what this run's flags set
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer)
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        _load_schedule(root, optimizer, scheduler, loaded["opt_param_scheduler"], args, log,
+                       fresh_groups)
     if not args.no_load_rng and not weights_only:
         _set_rng_state(loaded["rng_state"])
     if histories:
         load_histories_state(_model_sites(model), loaded["amax_histories"], _device_of(model))
     log(f"loaded checkpoint {ckpt} (iteration {iteration})")
     return loaded["iteration"], loaded["consumed_train_samples"]
+
+
+# What a checkpoint's optimizer and scheduler state carry of the run's flags, restored by a
+# resume in place of the flags: (where, key, flag, counted in samples). megatron-core's
+# scheduler keeps the checkpoint's warm-up, decay and weight decay (use_checkpoint_opt_param_
+# scheduler), and torch's optimizer.load_state_dict restores every param group's max_lr,
+# min_lr, betas and eps.
+_RESTORED = (("group", "max_lr", "--lr", False), ("group", "min_lr", "--min-lr", False),
+             ("group", "betas.0", "--adam-beta1", False),
+             ("group", "betas.1", "--adam-beta2", False), ("group", "eps", "--adam-eps", False),
+             ("scheduler", "lr_warmup_steps", "--lr-warmup-iters", True),
+             ("scheduler", "lr_decay_steps", "--lr-decay-iters", True),
+             ("scheduler", "lr_decay_style", "--lr-decay-style", False),
+             ("scheduler", "start_wd", "--weight-decay", False))
+_GROUP_KEYS = ("max_lr", "min_lr", "betas", "eps")
+
+
+def _group_values(optimizer) -> List[dict]:
+    """The hyperparameters of each param group that a checkpoint's optimizer state replaces."""
+    return [{key: group[key] for key in _GROUP_KEYS if key in group}
+            for group in optimizer.param_groups]
+
+
+def _value(values: dict, key: str):
+    name, _, index = key.partition(".")
+    value = values.get(name)
+    if index and isinstance(value, (list, tuple)):
+        return value[int(index)] if int(index) < len(value) else None
+    return value
+
+
+def _load_schedule(root: str, optimizer, scheduler, state: dict, args, log,
+                   fresh_groups: List[dict]) -> None:
+    """Restore the learning-rate schedule, saying so when what the checkpoint restores differs
+    from the run's flags (a resume with another --lr, warm-up, decay, weight decay or Adam
+    setting trained on the old ones without a word); --override-checkpoint-settings applies
+    the run's own (its param-group values, and megatron-core's override_opt_param_scheduler)."""
+    override = bool(getattr(args, "override_checkpoint_settings", False))
+    restored_groups = _group_values(optimizer)
+    fresh_schedule = {key: getattr(scheduler, key, None) for where, key, _, _ in _RESTORED
+                      if where == "scheduler"}
+    if override:
+        for group, fresh in zip(optimizer.param_groups, fresh_groups):
+            group.update(fresh)
+        scheduler.override_opt_param_scheduler = True
+        scheduler.use_checkpoint_opt_param_scheduler = False
+    scheduler.load_state_dict(state)
+    gbs = max(1, int(getattr(args, "global_batch_size", 1) or 1))
+
+    def shown(value, in_samples):
+        if in_samples and isinstance(value, (int, float)) and value % gbs == 0:
+            return str(int(value) // gbs)
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    changes, seen = [], set()
+    for where, key, flag, samples in _RESTORED:
+        if where == "scheduler":
+            pairs = [(state.get(key), fresh_schedule[key])]
+        else:
+            pairs = [(_value(saved, key), _value(fresh, key))
+                     for saved, fresh in zip(restored_groups, fresh_groups)]
+        for saved, fresh in pairs:
+            if saved is not None and fresh is not None and saved != fresh and flag not in seen:
+                seen.add(flag)
+                changes.append(f"{flag} {shown(saved, samples)} (checkpoint) vs "
+                               f"{shown(fresh, samples)} (this run)")
+    if not changes:
+        return
+    if override:
+        log(f"warning: --load {root}: this run's optimizer settings and learning-rate schedule "
+            f"replace the checkpoint's ({OVERRIDE_FLAG}): " + "; ".join(changes))
+        return
+    hint = " (--lr-decay-iters defaults to --train-iters)" \
+        if "--lr-decay-iters" in seen else ""
+    log(f"warning: --load {root}: the optimizer settings and learning-rate schedule continue as "
+        "the checkpoint's, not as this run's flags say: " + "; ".join(changes) + f"{hint}; "
+        f"{OVERRIDE_FLAG} applies this run's")
 
 
 def _device_of(model) -> torch.device:

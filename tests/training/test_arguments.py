@@ -132,6 +132,10 @@ class TestExplicitLists:
             parse_data_path(["0.7", "a", "b"])
         with pytest.raises(ConfigError, match="not a number"):
             parse_data_path(["a", "b"])
+        for weight in ("inf", "nan", "0", "-1"):      # inf made every blend weight nan
+            with pytest.raises(ConfigError, match=f"blend weight {weight} for a must be a "
+                                                  "finite number > 0"):
+                parse_data_path([weight, "a", "1", "b"])
 
 
 class TestPresets:

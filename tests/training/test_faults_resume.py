@@ -169,3 +169,36 @@ def test_a_recipe_file_with_other_contents_is_refused(tmp_path, capsys):
     assert code == 2 and MODEL_BUILT not in out
     assert f"--quant-recipe-file {recipe} (sha256 " in line and "(checkpoint) vs " in line
     assert line.count(f"{recipe} (sha256 ") == 2 and "(this run)" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning-rate schedule
+# ---------------------------------------------------------------------------------------------
+
+
+def test_another_learning_rate_schedule_is_stated(fp8_ckpt, capsys):
+    """megatron-core keeps the checkpoint's schedule: a resume with another --lr trained on
+    the old one without a word."""
+    code, out, err = resume(fp8_ckpt, capsys, *FP8_DELAYED, "--lr", "1e-3",
+                            "--lr-decay-iters", "30", "--adam-beta2", "0.95")
+    assert code == 0 and "exiting at iteration 3" in out, err
+    warnings = [line for line in out.splitlines() if line.startswith("warning: --load")]
+    assert warnings == [
+        f"warning: --load {fp8_ckpt}: the optimizer settings and learning-rate schedule "
+        "continue as the checkpoint's, not as this run's flags say: --lr 0.003 (checkpoint) vs "
+        "0.001 (this run); --adam-beta2 0.999 (checkpoint) vs 0.95 (this run); "
+        "--lr-decay-iters 20 (checkpoint) vs 30 (this run) (--lr-decay-iters defaults to "
+        "--train-iters); --override-checkpoint-settings applies this run's"]
+
+
+def test_the_override_applies_this_runs_schedule(fp8_ckpt, capsys):
+    straight, _, err = resume(fp8_ckpt, capsys, *FP8_DELAYED)
+    assert straight == 0, err
+    code, out, err = resume(fp8_ckpt, capsys, *FP8_DELAYED, "--lr", "1e-3",
+                            "--override-checkpoint-settings")
+    assert code == 0, err
+    assert f"warning: --load {fp8_ckpt}: this run's optimizer settings and learning-rate " \
+           "schedule replace the checkpoint's (--override-checkpoint-settings): --lr 0.003 " \
+           "(checkpoint) vs 0.001 (this run)" in out
+    rates = [line for line in out.splitlines() if "iteration        3/" in line]
+    assert rates and "learning rate: 9.946827E-04" in rates[0], rates   # 1e-3, not 3e-3
