@@ -18,6 +18,7 @@ import argparse
 import ast
 import math
 import os
+import re
 from typing import Callable, Iterable, List, Optional, Tuple
 
 from megatron.training.capture_arguments import add_tensor_args, validate_tensor_args
@@ -301,7 +302,10 @@ def _add_checkpointing_args(parser):
                             "settings), another precision or another --seed than this run's: "
                             "continue with this run's settings and name the differing ones in "
                             "one warning line. Without it such a --load stops before training "
-                            "with one error line naming them (checkpoint value vs this run).")
+                            "with one error line naming them (checkpoint value vs this run). "
+                            "Also applies this run's learning-rate schedule, weight decay and "
+                            "Adam settings instead of the checkpoint's (which a resume keeps "
+                            "otherwise, saying so).")
     group.add_argument("--load-fallback-to-previous", action="store_true",
                        help="When the checkpoint --load would read (the tracker's iteration) "
                             "is incomplete or damaged, load the newest intact earlier "
@@ -563,6 +567,23 @@ def _check_dataset_prefix(prefix: str) -> None:
             f"--data-path {prefix}: {', '.join(prefix + m for m in missing)} not found; pass the "
             "prefix of a preprocessed dataset (tools/preprocess_data.py writes PREFIX.bin and "
             "PREFIX.idx; `python tools/build_corpus.py --dataset wikipedia` builds the embedded one)")
+
+
+def parse_split(split: str) -> List[float]:
+    """'969, 30, 1' -> [969.0, 30.0, 1.0]: one to three non-negative decimal weights separated
+    by ',' or '/' (megatron-core reads only the digits of each: 'nan,1,1' became a 1,1 split
+    and 'abc' a nan one in silence, four weights an AssertionError), of which the first, the
+    training share, must be positive. ConfigError otherwise."""
+    parts = [p.strip() for p in re.split(r"[,/]", split)]
+    valid = "one to three non-negative numbers separated by commas, the first (the training " \
+            "share) positive, e.g. '969,30,1'"
+    if not 1 <= len(parts) <= 3 or \
+            not all(re.fullmatch(r"\d+(\.\d*)?|\.\d+", p) for p in parts):
+        raise ConfigError(f"--split {split!r} is not a split; valid: {valid}")
+    weights = [float(p) for p in parts]
+    if not all(math.isfinite(w) for w in weights) or weights[0] <= 0:
+        raise ConfigError(f"--split {split!r} leaves no training data; valid: {valid}")
+    return weights
 
 
 def _check_writable_dir(flag: str, path: str) -> None:
@@ -839,6 +860,7 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
                 _check_dataset_prefix(prefix)
         if args.split is None:
             args.split = "969, 30, 1"
+        parse_split(args.split)
     else:
         args.data_prefixes, args.data_weights = None, None
     if args.tokenizer_type == "NullTokenizer":

@@ -1,5 +1,7 @@
 """Argument parsing and validation, in the style of Megatron-LM's argument tests."""
 
+import re
+
 import pytest
 
 from megatron.training.arguments import (
@@ -59,6 +61,20 @@ class TestDefaults:
 
     def test_ffn_default_without_swiglu(self):
         assert validated(MINIMAL).ffn_hidden_size == 256
+
+    @pytest.mark.parametrize("split, problem", [
+        ("nan,1,1", "is not a split"),       # megatron-core read it as 1,1,0
+        ("abc", "is not a split"),           # ... as nan,nan,nan: a traceback
+        ("1,1,1,1", "is not a split"),       # ... an AssertionError
+        ("1e3,1,1", "is not a split"),
+        ("0,1,0", "leaves no training data"),    # a TypeError in the loop
+    ])
+    def test_split_must_be_one_to_three_weights(self, split, problem):
+        argv = [a for a in MINIMAL if a != "--mock-data"] + ["--data-path", "x"]
+        with pytest.raises(ConfigError, match=rf"--split '{re.escape(split)}' {problem}; "
+                                              "valid: one to three non-negative numbers"):
+            validated(argv + ["--split", split])
+        assert validated(argv + ["--split", "98, 2/0"]).split == "98, 2/0"
 
     def test_split_default_with_data_path(self):
         args = validated([a for a in MINIMAL if a != "--mock-data"] + ["--data-path", "x"])
