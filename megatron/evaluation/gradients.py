@@ -16,7 +16,7 @@ not (round-to-nearest: every draw is the same, the error stays).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,9 +38,12 @@ class Gradients:
 
     names: List[str]
     sizes: List[int]
-    per_batch: torch.Tensor      # [micro-batches, parameters] float32
+    per_batch: Optional[torch.Tensor]   # [micro-batches, parameters] float32; None: streamed
     weights: torch.Tensor        # [micro-batches] tokens / total tokens, float64
     _total: torch.Tensor = None
+    # Streamed gradients (`against`): each micro-batch's comparison with each reference's,
+    # by the reference's position in `against`; the micro-batch rows are not kept.
+    pairs: Optional[List[List[Dict[str, float]]]] = None
 
     @property
     def total(self) -> torch.Tensor:
@@ -70,12 +73,17 @@ def unique_parameters(model) -> list:
 
 
 def gradients(module, named_parameters, batches: List[dict], seed: int,
-              draw: int = 1) -> Gradients:
+              draw: int = 1, against: Sequence["Gradients"] = (),
+              keep: bool = True) -> Gradients:
     """Each micro-batch's gradient of its mean per-token loss. `draw` keys the
-    stochastic-rounding streams."""
+    stochastic-rounding streams. With `keep` False the micro-batch rows are not kept (only
+    the total, and each row's comparison with the same micro-batch of each of `against`):
+    memory for one row instead of one per micro-batch."""
     params = list(named_parameters)
     dev = device()
     rows, tokens = [], []
+    pairs = [[] for _ in against]
+    running = None
     module.eval()        # no dropout; gradients flow all the same
     runtime_of(module).start_iteration(seed, draw)
     for batch in batches:
@@ -85,15 +93,25 @@ def gradients(module, named_parameters, batches: List[dict], seed: int,
         losses = module(tokens_, position_ids, attention_mask, labels=labels).float()
         count = float(loss_mask.sum())
         (torch.sum(losses.view(-1) * loss_mask.view(-1)) / count).backward()
-        rows.append(torch.cat([
+        row = torch.cat([
             (p.grad.detach().float().cpu() if p.grad is not None
-             else torch.zeros(p.shape, dtype=torch.float32)).flatten() for _, p in params]))
+             else torch.zeros(p.shape, dtype=torch.float32)).flatten() for _, p in params])
+        for out, reference in zip(pairs, against):
+            out.append(_pair(row, reference.per_batch[len(tokens)]))
         tokens.append(count)
+        if keep:
+            rows.append(row)
+        else:
+            running = row.double() * count if running is None else running + row.double() * count
     for _, p in params:
         p.grad = None
     weights = torch.tensor(tokens, dtype=torch.float64)
-    return Gradients([n for n, _ in params], [p.numel() for _, p in params],
-                     torch.stack(rows), weights / weights.sum())
+    names, sizes = [n for n, _ in params], [p.numel() for _, p in params]
+    if keep:
+        return Gradients(names, sizes, torch.stack(rows), weights / weights.sum(),
+                         pairs=pairs if against else None)
+    return Gradients(names, sizes, None, weights / weights.sum(),
+                     _total=(running / weights.sum()).float(), pairs=pairs)
 
 
 def _sums(g: torch.Tensor, r: torch.Tensor):
@@ -113,10 +131,15 @@ def _pair(g: torch.Tensor, r: torch.Tensor) -> Dict[str, float]:
     return {"cosine": cosine, "rel_l2": dd ** 0.5 / max(r_norm, 1e-300)}
 
 
-def compare(grads: Gradients, reference: Gradients) -> Dict[str, object]:
-    """Cosine and relative L2 error of the whole set's gradient, and per micro-batch."""
+def compare(grads: Gradients, reference: Gradients, streamed: Optional[int] = None
+            ) -> Dict[str, object]:
+    """Cosine and relative L2 error of the whole set's gradient, and per micro-batch (taken
+    from `grads.pairs[streamed]` when the rows were streamed against `reference`)."""
     out = _pair(grads.total, reference.total)
-    per = [_pair(g, r) for g, r in zip(grads.per_batch, reference.per_batch)]
+    if streamed is not None:
+        per = grads.pairs[streamed]
+    else:
+        per = [_pair(g, r) for g, r in zip(grads.per_batch, reference.per_batch)]
     out["per_micro_batch"] = {"cosine": [p["cosine"] for p in per],
                               "rel_l2": [p["rel_l2"] for p in per]}
     return out
@@ -153,7 +176,8 @@ def draws_curve(module, named_parameters, batches, seed: int, ks: Sequence[int],
     errors = []
     start = last = time.time()
     for k in range(1, ks[-1] + 1):
-        running += gradients(module, named_parameters, batches, seed, draw=k).total.double()
+        running += gradients(module, named_parameters, batches, seed, draw=k,
+                             keep=False).total.double()
         if k in ks:
             errors.append(_pair((running / k).float(), ref)["rel_l2"])
         now = time.time()

@@ -181,7 +181,7 @@ def _gradients(own, model, batches, arms_config) -> dict:
         from megatron.training.errors import ConfigError
 
         raise ConfigError("--gradients runs in one process (no torchrun): the comparison holds "
-                          "whole float64 gradients")
+                          "whole gradients of every parameter")
     gb = batches[:own.gradient_micro_batches]
     fp32 = model.fp32_copy()
     reference = grads.gradients(fp32.module, grads.unique_parameters(fp32.raw), gb,
@@ -194,13 +194,17 @@ def _gradients(own, model, batches, arms_config) -> dict:
     t0 = time.time()
     for n, spec in enumerate(own.schemes, 1):
         model.quantize(arms_config[spec])
-        g = grads.gradients(model.module, params, gb, own.draw_seed)
-        entry = {"vs_fp32": grads.compare(g, reference),
+        # The baseline's rows are kept (every other arm is compared with them); the other
+        # arms stream theirs against the two references (one micro-batch's row in memory).
+        against = (reference,) if baseline is None else (reference, baseline)
+        g = grads.gradients(model.module, params, gb, own.draw_seed, against=against,
+                            keep=baseline is None)
+        entry = {"vs_fp32": grads.compare(g, reference, streamed=0),
                  "sites_vs_fp32": grads.per_site(g, reference, model.sites)}
         if baseline is None:
             baseline = g
         else:
-            entry["vs_baseline"] = grads.compare(g, baseline)
+            entry["vs_baseline"] = grads.compare(g, baseline, streamed=1)
         stochastic = any(s.config.stochastic for s in model.sites if s.config.enabled)
         if stochastic:
             entry["draws"] = grads.draws_curve(model.module, params, gb, own.draw_seed,
