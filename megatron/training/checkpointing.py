@@ -57,8 +57,8 @@ from megatron.quantization.delayed_scaling import histories_state, load_historie
 from megatron.training import run_lock
 from megatron.training.checkpoint_files import (
     CHECKSUMS_FILE, CHECKSUMS_KEY, SIZE_LIMITS, TRACKER_FILE, check_files, checkpoint_dir,
-    digest_files, file_problem, first_line, list_files, load_common_state, read_checksums,
-    read_small_file, verify_checkpoint, write_checksums)
+    digest_files, file_kind, file_problem, first_line, list_files, load_common_state,
+    read_checksums, read_small_file, verify_checkpoint, write_checksums)
 from megatron.training.errors import ConfigError, TrainingError
 from megatron.training.model_args import (
     HF_CONFIG_KEY, MODEL_ARGS_KEY, MODEL_SHAPE_ARGS, TOKENIZER_VOCAB_KEY, model_args, model_shape)
@@ -778,8 +778,10 @@ def _checked_structure(root: str, iteration: int):
                           f"--load {root} (a symbolic link); a checkpoint is read only from "
                           "inside the --load directory: copy it in instead of linking it")
     if not os.path.isdir(ckpt):
+        what = (f"is {file_kind(os.lstat(ckpt).st_mode)}, not a checkpoint directory"
+                if os.path.lexists(ckpt) else "does not exist")
         raise ConfigError(f"--load {root}: {TRACKER_FILE} names iteration {iteration} but {ckpt} "
-                          "does not exist; fix the tracker file or use another --load")
+                          f"{what}; fix the tracker file or use another --load")
     found = verify_checkpoint(ckpt)
     files = read_checksums(ckpt)
     if files is None and found.common.get(CHECKSUMS_KEY):

@@ -111,6 +111,17 @@ def test_a_device_as_the_tracker_is_one_line(checkpoint, capsys):
                                           "character device, not a regular file; ")
 
 
+def test_a_fifo_as_the_iteration_directory_is_one_line(checkpoint, capsys):
+    root, ckpt = checkpoint
+    shutil.rmtree(ckpt)
+    os.mkfifo(ckpt)
+    code, out, err = train(capsys, "--train-iters", "3", "--load", root)
+    assert code == 2 and MODEL_BUILT not in out
+    assert one_error_line(err) == (f"error: --load {root}: {TRACKER_FILE} names iteration 2 but "
+                                   f"{ckpt} is a FIFO, not a checkpoint directory; fix the "
+                                   "tracker file or use another --load")
+
+
 def test_a_fifo_as_the_common_state_is_one_line(checkpoint):
     root, ckpt = checkpoint
     replace_with_fifo(os.path.join(ckpt, "common.pt"))
