@@ -582,6 +582,15 @@ def check_dataset(prefix: str, tokenizer=None) -> List[str]:
     return check_token_ids(prefix, tokenizer, code, sequences, documents, actual)
 
 
+def unscanned_sidecars(prefixes: Optional[Iterable[str]]) -> List[str]:
+    """The prefixes whose .bin is too large for the start-up scan (SIDECAR_VERIFY_BYTES) and
+    whose sidecar's largest token id is therefore trusted: the training loop checks their
+    batches instead (training.checked_batches)."""
+    return [prefix for prefix in prefixes or ()
+            if os.path.isfile(sidecar_path(prefix)) and os.path.isfile(prefix + ".bin")
+            and os.path.getsize(prefix + ".bin") > SIDECAR_VERIFY_BYTES]
+
+
 def check_dataset_files(prefixes: Optional[Iterable[str]], tokenizer=None) -> List[str]:
     """check_dataset for every prefix of --data-path (nothing for --mock-data); the
     `warning:`/`note:` lines of all of them."""

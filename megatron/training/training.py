@@ -38,7 +38,7 @@ from megatron.training.arguments import format_args, parse_args, validate_args
 from megatron.training.budget import describe_budget
 from megatron.training.capture_arguments import run_args
 from megatron.training.data import build_data_iterator, build_datasets
-from megatron.training.data_files import check_dataset_files
+from megatron.training.data_files import check_dataset_files, unscanned_sidecars
 from megatron.training.errors import TrainingError
 from megatron.training.precision import describe_precision
 from megatron.training.quant_stats import QuantStatsCallback, stats_interval_warnings
@@ -642,7 +642,8 @@ def _train(forward_step_func, args, callbacks, result, start_time, tokenizer, dd
     dp_size = parallel_state.get_data_parallel_world_size()
     train_iter = build_data_iterator(train_ds, consumed_samples, args, dp_rank, dp_size)
     valid_iter = build_data_iterator(valid_ds, 0, args, dp_rank, dp_size, cyclic=True)
-    if args.data_prefixes:
+    if unscanned_sidecars(args.data_prefixes):
+        # A sidecar trusted without a scan at start: its batches are checked as they come.
         train_iter = checked_batches(train_iter, tokenizer.vocab_size)
         valid_iter = checked_batches(valid_iter, tokenizer.vocab_size)
 
