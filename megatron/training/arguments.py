@@ -710,9 +710,11 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
         _require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be positive, "
                                           f"got {getattr(args, flag)}")
     _check_range("--seq-length", args.seq_length, 1, MAX_SEQ_LENGTH, "tokens per sequence")
-    if args.max_position_embeddings is not None:
+    if args.max_position_embeddings is not None and \
+            args.position_embedding_type == "learned_absolute":
+        # (A table of this many rows; rotary embeddings allocate nothing for it.)
         _check_range("--max-position-embeddings", args.max_position_embeddings, 1,
-                     MAX_SEQ_LENGTH, "positions the model supports")
+                     MAX_SEQ_LENGTH, "rows of the learned position table")
     _check_model_numbers(args)
     if args.kv_channels is None:
         _require(args.hidden_size % args.num_attention_heads == 0,

@@ -94,6 +94,17 @@ def test_the_largest_valid_learning_rate_is_accepted():
     assert args.lr == 0
 
 
+def test_max_position_embeddings_is_bounded_only_where_it_sizes_a_table():
+    big = ["--train-iters", "2", "--max-position-embeddings", str(1 << 21)]
+    args = arguments.validate_args(arguments.parse_args(        # llama-tiny: rope
+        TINY_MOCK_ARGS + big), check_paths=False)
+    assert args.max_position_embeddings == 1 << 21
+    with pytest.raises(arguments.ConfigError, match="--max-position-embeddings 2097152 is out "
+                       "of range; valid: 1 <= --max-position-embeddings <= 1048576"):
+        arguments.validate_args(arguments.parse_args(TINY_MOCK_ARGS + big + [
+            "--position-embedding-type", "learned_absolute"]), check_paths=False)
+
+
 def test_the_seed_bound_knows_the_pipeline_stride():
     assert arguments.PIPELINE_SEED_STRIDE == initialize.PIPELINE_SEED_STRIDE
 
