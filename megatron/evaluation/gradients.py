@@ -27,9 +27,21 @@ from megatron.quantization.runtime import runtime_of
 from megatron.training.batches import batch_to_device
 
 
-# Gradients are held in float32 (a 135M-parameter model's micro-batch gradient is 0.5 GB) and
-# every sum, norm and dot product is taken in float64, CHUNK entries at a time.
+# Gradients are held in float32 (a 135M-parameter model's micro-batch gradient is 0.5 GB); the
+# kept micro-batch rows live in an unlinked temporary file (np.memmap), so the kernel can page
+# them out under memory pressure instead of killing the run; norms and dot products are taken
+# in float64, CHUNK entries at a time.
 CHUNK = 1 << 22
+
+
+def _file_backed(rows: int, columns: int) -> torch.Tensor:
+    """A [rows, columns] float32 tensor backed by an unlinked temporary file."""
+    import tempfile
+
+    handle = tempfile.TemporaryFile()
+    handle.truncate(rows * columns * 4)
+    array = np.memmap(handle, dtype=np.float32, mode="r+", shape=(rows, columns))
+    return torch.from_numpy(array)
 
 
 @dataclass
@@ -81,9 +93,10 @@ def gradients(module, named_parameters, batches: List[dict], seed: int,
     memory for one row instead of one per micro-batch."""
     params = list(named_parameters)
     dev = device()
-    rows, tokens = [], []
+    tokens = []
     pairs = [[] for _ in against]
     running = None
+    rows = _file_backed(len(batches), sum(p.numel() for _, p in params)) if keep else None
     module.eval()        # no dropout; gradients flow all the same
     runtime_of(module).start_iteration(seed, draw)
     for batch in batches:
@@ -98,20 +111,20 @@ def gradients(module, named_parameters, batches: List[dict], seed: int,
              else torch.zeros(p.shape, dtype=torch.float32)).flatten() for _, p in params])
         for out, reference in zip(pairs, against):
             out.append(_pair(row, reference.per_batch[len(tokens)]))
-        tokens.append(count)
         if keep:
-            rows.append(row)
+            rows[len(tokens)] = row
         else:
-            running = row.double() * count if running is None else running + row.double() * count
+            running = row * count if running is None else running.add_(row, alpha=count)
+        tokens.append(count)
     for _, p in params:
         p.grad = None
     weights = torch.tensor(tokens, dtype=torch.float64)
     names, sizes = [n for n, _ in params], [p.numel() for _, p in params]
     if keep:
-        return Gradients(names, sizes, torch.stack(rows), weights / weights.sum(),
+        return Gradients(names, sizes, rows, weights / weights.sum(),
                          pairs=pairs if against else None)
     return Gradients(names, sizes, None, weights / weights.sum(),
-                     _total=(running / weights.sum()).float(), pairs=pairs)
+                     _total=running / float(weights.sum()), pairs=pairs)
 
 
 def _sums(g: torch.Tensor, r: torch.Tensor):
@@ -172,14 +185,14 @@ def draws_curve(module, named_parameters, batches, seed: int, ks: Sequence[int],
 
     ks = sorted(set(int(k) for k in ks))
     ref = reference.total
-    running = torch.zeros(ref.shape, dtype=torch.float64)
+    running = torch.zeros(ref.shape, dtype=torch.float32)
     errors = []
     start = last = time.time()
     for k in range(1, ks[-1] + 1):
         running += gradients(module, named_parameters, batches, seed, draw=k,
-                             keep=False).total.double()
+                             keep=False).total
         if k in ks:
-            errors.append(_pair((running / k).float(), ref)["rel_l2"])
+            errors.append(_pair(running / k, ref)["rel_l2"])
         now = time.time()
         if log is not None and k < ks[-1] and (now - last >= PROGRESS_SECONDS or k == 1):
             last = now
