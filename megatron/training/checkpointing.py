@@ -545,8 +545,15 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
 
 
 def _plain(value):
-    """A flag's value as a checkpoint's common state holds it (plain data, tuples as lists)."""
-    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+    """A flag's value as a checkpoint's common state holds it: plain data that common.pt's
+    weights_only reader accepts (tuples and sets as lists, anything else as its text)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return [_plain(v) for v in sorted(value, key=str)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 def _file_sha256(path: Optional[str]) -> Optional[str]:
