@@ -31,12 +31,13 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): setup.py requirements-cpu.txt requirements-data.txt
+$(STAMP): setup.py requirements-cpu.txt requirements-data.txt tools/fetch_test_references.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -r requirements-cpu.txt
 	$(PIP) install --quiet --no-deps -r requirements-data.txt
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
+	$(PY) tools/fetch_test_references.py
 	touch $(STAMP)
 
 data: install

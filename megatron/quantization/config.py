@@ -42,6 +42,9 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 # The operand slots of a GEMM site: "<gemm>.<side>", side a / b of OperandFormats.
 OPERAND_SLOTS = tuple(f"{g}.{side}" for g in GEMMS for side in ("a", "b"))
 GRADIENT_SLOTS = frozenset({"dgrad.a", "wgrad.b"})     # dY in dgrad and in wgrad
+# A linear site's other operands: X (activation) and W (weight).
+LINEAR_SLOT_ROLES = MappingProxyType({"fprop.a": "activation", "fprop.b": "weight",
+                                      "dgrad.b": "weight", "wgrad.a": "activation"})
 
 SEED_FORMATS = ("mxfp8", "mxfp4", "hifp8")      # the seeds' ten schemes
 ELEMENT_FORMATS = SEED_FORMATS + ("nvfp4", "mxfp6_e2m3", "mxfp6_e3m2", "fp8")
@@ -79,6 +82,8 @@ RecipeName = Literal[RECIPE_NAMES]
 RhtBlock = Literal[(0,) + RHT_BLOCKS]
 KernelMode = Literal["auto", "triton", "compile", "eager"]
 AttentionImpl = Literal["auto", "unfused"]
+Nvfp4Scope = Literal["none", "weights", "activations", "all"]
+FourOverSixMode = Literal["mae", "mse"]
 
 KERNEL_MODES = typing.get_args(KernelMode)
 FP8_SCALINGS = ("tensorwise", "delayed", "blockwise")   # what an FP8 operand's scale follows
@@ -310,6 +315,56 @@ class HiFP8Settings(Settings):
 
 
 @dataclass(frozen=True)
+class Nvfp4Settings(Settings):
+    """NVFP4 variants of TransformerEngine's NVFP4BlockScaling recipe: 4/6 block scales
+    (v2.17+) and per-token tensor scales of activations (v2.16+), for linear layers. Operand
+    roles: weights (W in fprop and dgrad), activations (X in fprop and wgrad); gradients (dY)
+    never take either, as in TE."""
+
+    four_over_six: Nvfp4Scope = setting(
+        "none", flag="--nvfp4-4over6", recipe_key="nvfp4_4over6",
+        help="NVFP4 '4/6' (TE's nvfp4_4over6, arXiv 2512.02010): each 16-block is quantized "
+             "with the scale that maps its amax to 6 and with the one that maps it to 4, and "
+             "keeps the smaller error; for the weights, the activations or all (never "
+             "gradients) of NVFP4 linear layers. Default none. Not with the Hadamard transform "
+             "or stochastic rounding on the same operands (TE refuses both).")
+    four_over_six_err_mode: FourOverSixMode = setting(
+        "mae", flag="--nvfp4-4over6-err-mode", recipe_key="nvfp4_4over6_err_mode",
+        help="How 4/6 measures a block's error: mae (sum of |error|, TE's default) or mse.")
+    four_over_six_e4m3_use_256: Nvfp4Scope = setting(
+        "all", flag="--nvfp4-4over6-e4m3-use-256", recipe_key="nvfp4_4over6_e4m3_use_256",
+        help="Operands (among those with 4/6) whose tensor scale maps their amax to 6 * 256 "
+             "instead of 6 * 448, leaving the map-to-4 block scale room below E4M3's 448 "
+             "(TE's nvfp4_4over6_e4m3_use_256; default all).")
+    row_scaled_activation: bool = setting(
+        False, flag="--nvfp4-row-scaled-activation", store_true=True,
+        recipe_key="row_scaled_activation",
+        help="One NVFP4 tensor scale per token (per row of X along K in fprop, per column "
+             "along the tokens in wgrad) instead of one per tensor, for the activations of "
+             "NVFP4 linear layers (TE's row_scaled_activation). Not with the Hadamard "
+             "transform or stochastic rounding on those operands.")
+
+    def operand_options(self, role: Optional[str]) -> Dict[str, Any]:
+        """fake_quantize's NVFP4 variant options for an operand of `role` ("weight",
+        "activation"; None for gradients and attention operands: none)."""
+        if role not in ("weight", "activation"):
+            return {}
+        covers = lambda scope: scope in ("all", role + "s")  # noqa: E731
+        options = {}
+        if covers(self.four_over_six):
+            options["four_over_six"] = self.four_over_six_err_mode
+            options["four_over_six_bound"] = 256 if covers(self.four_over_six_e4m3_use_256) \
+                else 448
+        if self.row_scaled_activation and role == "activation":
+            options["row_scaled"] = True
+        return options
+
+    @property
+    def enabled(self) -> bool:
+        return self.four_over_six != "none" or self.row_scaled_activation
+
+
+@dataclass(frozen=True)
 class Fp8Settings(Settings):
     """FP8 operands ("fp8_e4m3" / "fp8_e5m2") scaled as TransformerEngine's recipes do:
 
@@ -526,7 +581,7 @@ class BackendSettings(Settings):
 CONCERNS = ("scheme", "mx", "hifp8", "fp8", "gemm", "recipe", "backend")
 # The concerns every GEMM site carries whole (MatmulQuantConfig); recipe-file configs may set
 # their fields that have a recipe key.
-SITE_CONCERNS = ("mx", "hifp8", "fp8", "gemm")
+SITE_CONCERNS = ("mx", "nvfp4", "hifp8", "fp8", "gemm")
 
 
 @dataclass(frozen=True)
@@ -535,6 +590,7 @@ class QuantSettings(Settings):
 
     scheme: SchemeSettings = field(default_factory=SchemeSettings)
     mx: MxSettings = field(default_factory=MxSettings)
+    nvfp4: Nvfp4Settings = field(default_factory=Nvfp4Settings)
     hifp8: HiFP8Settings = field(default_factory=HiFP8Settings)
     fp8: Fp8Settings = field(default_factory=Fp8Settings)
     gemm: GemmSettings = field(default_factory=GemmSettings)
@@ -546,6 +602,10 @@ class QuantSettings(Settings):
         per-site flags decide, so both at once is a contradiction."""
         r, s = self.recipe, self.scheme
         self._check_fp8_attention()
+        if self.nvfp4.enabled and self.backend.kernels in ("triton", "compile"):
+            raise SettingError(f"--quant-kernels {self.backend.kernels} with the --nvfp4-* "
+                               "variants: they exist in eager PyTorch only; use --quant-kernels "
+                               "auto or eager")
         source = (f"--quant-recipe {r.recipe}" if r.recipe else
                   f"--quant-recipe-file {r.recipe_file}" if r.recipe_file else None)
         if source is None:
@@ -838,7 +898,7 @@ class MatmulQuantConfig:
     wgrad:  dB = A^T @ dC (a=A, b=dC)
 
     plus the settings of the concerns its operands' formats use (SITE_CONCERNS: MX scale rule,
-    HiFP8 and FP8 scaling, how its GEMMs compute), the operand slots it rounds stochastically
+    NVFP4 variants, HiFP8 and FP8 scaling, how its GEMMs compute), the operand slots it rounds stochastically
     ("fprop.a", ... see OPERAND_SLOTS; MX, NVFP4 and FP8 operands), its Hadamard transform
     (linear sites only) and whether its weights are quantized in 2-D tiles (NVFP4 16x16, FP8
     blockwise 128x128; linear sites)."""
@@ -847,6 +907,7 @@ class MatmulQuantConfig:
     dgrad: OperandFormats = OperandFormats()
     wgrad: OperandFormats = OperandFormats()
     mx: MxSettings = MxSettings()
+    nvfp4: Nvfp4Settings = Nvfp4Settings()
     hifp8: HiFP8Settings = HiFP8Settings()
     fp8: Fp8Settings = Fp8Settings()
     gemm: GemmSettings = GemmSettings()
@@ -872,6 +933,27 @@ class MatmulQuantConfig:
         if self.delayed_slots and self.fp8.scaling == "blockwise":
             raise SettingError("delayed-scaled operand slots take one scale per tensor, not "
                                "the blockwise recipe's tiles")
+        self._check_nvfp4_variants()
+
+    def _check_nvfp4_variants(self) -> None:
+        """TransformerEngine refuses 4/6 and row scaling on operands it rotates (RHT) or rounds
+        stochastically; so does this (a linear site's operand slots, by role)."""
+        for slot, role in LINEAR_SLOT_ROLES.items():
+            gemm, side = slot.split(".")
+            options = self.nvfp4.operand_options(role)
+            if not options or getattr(getattr(self, gemm), side) != "nvfp4":
+                continue
+            what = " and ".join(name for name, key in (("4/6", "four_over_six"),
+                                                       ("row scaling", "row_scaled"))
+                                if key in options)
+            if slot in self.stochastic:
+                raise SettingError(f"NVFP4 {what} of the {role}s with stochastic rounding of "
+                                   f"them ({slot}): TransformerEngine's {what} rounds to "
+                                   "nearest; drop one of them")
+            if gemm in self.rht.gemms:
+                raise SettingError(f"NVFP4 {what} of the {role}s with the Hadamard transform "
+                                   f"on {gemm}: TransformerEngine refuses the combination "
+                                   "(its recipes need disable_rht); drop one of them")
 
     def replace(self, **changes) -> "MatmulQuantConfig":
         return dataclasses.replace(self, **changes)

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 from megatron.quantization.config import (
     GEMMS, RECIPE_SOURCES, SITE_CONCERNS, SITE_KINDS, MatmulQuantConfig, QuantConfig)
+from megatron.quantization.gemm import nvfp4_variant
 
 SITE_TITLES = MappingProxyType({"linear": "linear layers", "attn_qk": "attention QK^T",
                                 "attn_pv": "attention PV", "output_layer": "output layer"})
@@ -22,7 +23,9 @@ OPERAND_NAMES = MappingProxyType({
 # that differs from its default is listed as "<flag> <value>".
 _SAID = frozenset({("mx", "scale_mode"), ("mx", "grad_format"), ("hifp8", "scaling"),
          ("hifp8", "saturate"), ("fp8", "format"), ("fp8", "recipe"), ("fp8", "margin"),
-         ("fp8", "amax_history_len"), ("fp8", "amax_compute_algo"), ("fp8", "pow2_scale")})
+         ("fp8", "amax_history_len"), ("fp8", "amax_compute_algo"), ("fp8", "pow2_scale"),
+         ("nvfp4", "four_over_six"), ("nvfp4", "four_over_six_err_mode"),
+         ("nvfp4", "four_over_six_e4m3_use_256"), ("nvfp4", "row_scaled_activation")})
 
 
 def config_details(cfg: MatmulQuantConfig) -> str:
@@ -31,6 +34,8 @@ def config_details(cfg: MatmulQuantConfig) -> str:
     details = []
     if any(f.startswith("mx") for f in formats):
         details.append(f"MX scale mode {cfg.mx.scale_mode}")
+    if "nvfp4" in formats and cfg.nvfp4.enabled:
+        details.append(_nvfp4_phrase(cfg))
     if "hifp8" in formats:
         details.append("HiFP8 " + ("per-tensor scaling" if cfg.hifp8.scaling == "tensor"
                                    else "unscaled"))
@@ -52,6 +57,37 @@ def config_details(cfg: MatmulQuantConfig) -> str:
         details.append("stochastic rounding of " + ", ".join(sorted(cfg.stochastic)))
     details.extend(_other_settings(cfg))
     return "; ".join(details)
+
+
+def _nvfp4_phrase(cfg: MatmulQuantConfig) -> str:
+    """The NVFP4 variants of a site, e.g. 'NVFP4 4/6 (mae; tensor bound 256) of weights and
+    activations, per-token scales of activations'."""
+    v, parts = cfg.nvfp4, []
+    if v.four_over_six != "none":
+        scope = "weights and activations" if v.four_over_six == "all" else v.four_over_six
+        bound = {"none": "448", "all": "256"}.get(v.four_over_six_e4m3_use_256,
+                                                   f"256 for {v.four_over_six_e4m3_use_256}")
+        parts.append(f"4/6 ({v.four_over_six_err_mode}; tensor bound {bound}) of {scope}")
+    if v.row_scaled_activation:
+        parts.append("per-token scales of activations")
+    return "NVFP4 " + ", ".join(parts)
+
+
+def _operand_marks(kind: str, cfg: MatmulQuantConfig, gemm: str, side: str, name: str) -> str:
+    """What besides its format an operand carries in the table: (SR) stochastic rounding,
+    (4/6), (rows) per-token scales, (delayed) an amax-history scale."""
+    marks = []
+    if f"{gemm}.{side}" in cfg.stochastic:
+        marks.append("SR")
+    if kind in ("linear", "output_layer"):
+        variant = nvfp4_variant(cfg, getattr(getattr(cfg, gemm), side), name)
+        if "four_over_six" in variant:
+            marks.append("4/6")
+        if variant.get("row_scaled"):
+            marks.append("rows")
+    if f"{gemm}.{side}" in cfg.delayed_slots:
+        marks.append("delayed")
+    return f" ({', '.join(marks)})" if marks else ""
 
 
 def _other_settings(cfg: MatmulQuantConfig) -> List[str]:
@@ -76,9 +112,11 @@ def describe_site(kind: str, cfg: MatmulQuantConfig, title: str, indent: str = "
     lines = [f"{indent}{title:<15} {config_details(cfg)}"]
     for gemm, (a, b) in zip(GEMMS, OPERAND_NAMES[kind]):
         ops = getattr(cfg, gemm)
-        sr = {side for side in ("a", "b") if f"{gemm}.{side}" in cfg.stochastic}
-        mark = lambda side, fmt: fmt + (" (SR)" if side in sr and fmt != "none" else "")
-        lines.append(f"{indent}  {gemm:<6} {a}: {mark('a', ops.a):<16} {b}: {mark('b', ops.b)}")
+
+        def mark(side, fmt, name):
+            return fmt if fmt == "none" else fmt + _operand_marks(kind, cfg, gemm, side, name)
+        lines.append(f"{indent}  {gemm:<6} {a}: {mark('a', ops.a, a):<16} "
+                     f"{b}: {mark('b', ops.b, b)}")
     return lines
 
 

@@ -56,7 +56,15 @@ def check_kernel_mode(mode: str) -> str:
 def quantize_backend(x: torch.Tensor, call: formats.QuantizeCall, mode: str) -> str:
     """Which implementation runs a prepared call under kernel mode `mode`: one of BACKENDS."""
     check_kernel_mode(mode)
-    if mode in ("compile", "eager"):
+    if mode == "eager":
+        return mode
+    if call.nvfp4_form != formats.PLAIN:
+        # 4/6's two candidates and row scaling exist in the eager implementation only.
+        if mode in ("triton", "compile"):
+            raise ValueError(f"kernel mode {mode!r} does not cover NVFP4 4/6 or row scaling; "
+                             "use kernel mode 'auto' or 'eager' for them")
+        return "eager"
+    if mode == "compile":
         return mode
     if mode == "auto" and x.device.type != "cuda":
         return "eager"

@@ -53,6 +53,7 @@ at +-32768 by default (config.hifp8.saturate), which differs from the plain cast
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Callable, Optional
 
 import torch
@@ -71,8 +72,8 @@ from megatron.quantization.runtime import QuantRuntime
 from megatron.quantization.tp_comm import TensorParallelComm
 
 __all__ = ["SiteState", "quantized_matmul", "quantized_linear", "matmul_grads",
-           "format_options", "quantize_operand", "quantize_slot", "gemm_product", "gemm_operand", "gemm_result",
-           "whole_tensor_scale"]
+           "format_options", "nvfp4_variant", "quantize_operand", "quantize_slot", "gemm_product",
+           "gemm_operand", "gemm_result", "whole_tensor_scale"]
 
 Observer = Callable[..., None]
 
@@ -112,16 +113,17 @@ def whole_tensor_scale(fmt: str, amax: torch.Tensor):
 
 
 def format_options(config: MatmulQuantConfig, fmt: str, ndim: int, *, weight: bool = False,
-                   amax=None) -> dict:
+                   amax=None, **variant) -> dict:
     """The fake_quantize format options `config` gives an operand in `fmt` of `ndim`
-    dimensions: NVFP4 {block_2d, amax}, FP8 {scaling, amax, margin, pow2_scale} or
-    {scaling: "block", block, pow2_scale}; {} for other formats. (Stochastic rounding and
-    HiFP8's scale are not format options.) What quantize_operand passes, and what a capture's
-    statistics recompute scales with (tensor_capture/replay.py)."""
+    dimensions: NVFP4 {block_2d, amax} plus its variant options (`variant`: four_over_six,
+    four_over_six_bound, row_scaled, as nvfp4_variant gives them), FP8 {scaling, amax, margin,
+    pow2_scale} or {scaling: "block", block, pow2_scale}; {} for other formats. (Stochastic
+    rounding and HiFP8's scale are not format options.) What quantize_operand passes, and what
+    a capture's statistics recompute scales with (tensor_capture/replay.py)."""
     kind = format_info(fmt).kind
     tiled = bool(weight) and ndim == 2 and config.weight_tiles(fmt)
     if kind == "nvfp4":
-        return {"block_2d": tiled, "amax": amax}
+        return {"block_2d": tiled, "amax": amax, **variant}
     if kind == "fp8":
         fp8 = config.fp8
         if fp8.scaling == "blockwise":
@@ -132,9 +134,23 @@ def format_options(config: MatmulQuantConfig, fmt: str, ndim: int, *, weight: bo
     return {}
 
 
+def nvfp4_variant(config: MatmulQuantConfig, fmt: str, name: str) -> dict:
+    """The NVFP4 variant options (4/6, row scaling) of operand `name` of a GEMM site: a linear
+    layer's "input" is an activation, its "weight" a weight; gradients and attention's
+    operands take none."""
+    if fmt != "nvfp4":
+        return {}
+    return config.nvfp4.operand_options(_OPERAND_ROLES.get(name))
+
+
+_OPERAND_ROLES = MappingProxyType({"input": "activation", "weight": "weight"})
+VARIANT_KEYS = ("four_over_six", "four_over_six_bound", "row_scaled")
+
+
 def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantConfig,
                      scale_exponent=None, *, weight: bool = False, amax=None,
-                     seed: Optional[int] = None, kernels: str = "auto") -> torch.Tensor:
+                     seed: Optional[int] = None, kernels: str = "auto",
+                     **variant) -> torch.Tensor:
     """How `config` quantizes one GEMM operand in `fmt` blocked along `axis`: the single
     definition the GEMMs use and captures are reproduced with.
 
@@ -143,11 +159,12 @@ def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantC
     (delayed scaling, or one piece of a larger operand); seed, when given, rounds the
     elements stochastically with a generator seeded by it; weight marks a linear layer's
     weight (2-D tiles when config.weight_2d); kernels is the kernel mode that runs it
-    (dispatch.py; the same bits in every mode)."""
+    (dispatch.py; the same bits in every mode); `variant` the NVFP4 variant options
+    (nvfp4_variant)."""
     if config.tensor_scaled(fmt) and fmt == "hifp8":
         return hifp8_scaled_fake_quantize(hp, saturate=config.saturate_for(fmt),
                                           scale_exponent=scale_exponent)
-    options = format_options(config, fmt, hp.dim(), weight=weight, amax=amax)
+    options = format_options(config, fmt, hp.dim(), weight=weight, amax=amax, **variant)
     if seed is not None:
         options.update(rounding="stochastic", generator=randomness.generator(seed, hp.device))
     return fake_quantize(hp, fmt, axis=axis, scale_mode=config.mx.scale_mode,
@@ -197,6 +214,7 @@ def quantize_slot(config, gemm, name, side, hp, fmt, axis, scales=None, state=No
         extra["seed"] = state.runtime.draws.draw_seed(state.path, gemm, name)
     if weight and config.weight_tiles(fmt):
         extra["weight"] = True
+    extra.update(nvfp4_variant(config, fmt, name))
     kernels = state.runtime.kernels if state is not None else "auto"
     return quantize_operand(hp, fmt, axis, config, **extra, kernels=kernels), extra
 
@@ -209,7 +227,8 @@ def gemm_operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None,
 
     The observer receives, as keywords, whatever besides (fmt, axis, config) determined q:
     scale_exponent (imposed HiFP8 scale), amax (imposed or delayed NVFP4/FP8 amax, a 0-d
-    tensor), seed (stochastic rounding), weight=True (a weight in 2-D tiles)."""
+    tensor), seed (stochastic rounding), weight=True (a weight in 2-D tiles), and the NVFP4
+    variant options (four_over_six, four_over_six_bound, row_scaled) where they apply."""
     q, extra = quantize_slot(config, gemm, name, side, hp, fmt, axis, scales, state, weight)
     if observer is not None:
         observer(gemm, name, hp, q, fmt, axis, **extra)

@@ -30,8 +30,9 @@ from typing import Dict, FrozenSet, Sequence
 
 from megatron.quantization import layer_lists
 from megatron.quantization.config import (
-    GEMMS, NONE, STOCHASTIC_SLOTS, MatmulQuantConfig, OperandFormats, QuantConfig,
-    QuantSettings, RhtSettings, SettingError, effective_scheme, scheme_formats)
+    GEMMS, NONE, SITE_CONCERNS, STOCHASTIC_SLOTS, MatmulQuantConfig, Nvfp4Settings,
+    OperandFormats, QuantConfig, QuantSettings, RhtSettings, SettingError, effective_scheme,
+    scheme_formats)
 from megatron.quantization.recipes import (
     RecipeError, bf16_layer_numbers, load_recipe_file, named_recipe)
 
@@ -71,7 +72,7 @@ def site_config(fmt: str, settings: QuantSettings, gemm_formats: Dict[str, str] 
         fprop=OperandFormats(f, f),                                  # (X or Q or P, W or K^T or V)
         dgrad=OperandFormats(grad_variant(d, settings), d),          # (dY, W ...)
         wgrad=OperandFormats(w, grad_variant(w, settings)),          # (X ..., dY)
-        mx=settings.mx, hifp8=settings.hifp8, fp8=settings.fp8, gemm=settings.gemm, **pieces)
+        **{concern: getattr(settings, concern) for concern in SITE_CONCERNS}, **pieces)
 
 
 def effective_settings(settings: QuantSettings) -> QuantSettings:
@@ -89,14 +90,15 @@ def effective_settings(settings: QuantSettings) -> QuantSettings:
 
 
 def _attention_variant(cfg: MatmulQuantConfig, notes: list) -> MatmulQuantConfig:
-    """An attention site's config from a linear one: no Hadamard transform or weight tiles
-    (attention has no weights), and current instead of delayed FP8 scaling (the chunked
-    attention path quantizes an operand in pieces, one amax history cannot follow that)."""
+    """An attention site's config from a linear one: no Hadamard transform, weight tiles or
+    NVFP4 variants (TransformerEngine's are for linear layers; attention has no weights), and
+    current instead of delayed FP8 scaling (the chunked attention path quantizes an operand in
+    pieces, one amax history cannot follow that)."""
     if cfg.enabled and any(cfg.delayed(f) for f in cfg.formats):
         notes.append("attention's FP8 operands use current (tensorwise) scaling: delayed scaling "
                      "applies to the linear layers")
         cfg = cfg.replace(fp8=cfg.fp8.replace(recipe="tensorwise"))
-    return cfg.replace(rht=RhtSettings(), weight_2d=False)
+    return cfg.replace(rht=RhtSettings(), weight_2d=False, nvfp4=Nvfp4Settings())
 
 
 def fp8_attention(settings: QuantSettings):
@@ -189,6 +191,11 @@ def resolve(settings: QuantSettings, num_layers: int, seed: int = 0) -> QuantCon
             skip |= bf16_layer_numbers(num_layers, *bf16_at)
         except RecipeError as exc:
             raise SettingError(str(exc)) from None
+    if settings.nvfp4.enabled and not any(
+            "nvfp4" in c.formats for c in [linear] + (list(rules.configs.values()) if rules
+                                                      else [])):
+        notes.append("the --nvfp4-* variants change nothing here: no linear layer is "
+                     "quantized in NVFP4")
     attn_qk, attn_pv = _attention_variant(make(qk_fmt), notes), \
         _attention_variant(make(pv_fmt), notes)
     if s.fp8_dot_product_attention:

@@ -19,7 +19,7 @@ import torch
 from megatron.quantization.formats import hifp8_scale_exponent
 from megatron.tensor_capture import format as capture_format
 from megatron.tensor_capture.format import record_file_name, record_name, short_module_name
-from megatron.quantization.gemm import format_options
+from megatron.quantization.gemm import VARIANT_KEYS, format_options
 from megatron.tensor_capture.replay import operand_metadata, rotation_metadata
 from megatron.tensor_capture.roles import (
     COMPONENT_OF_KIND, COMPONENT_TAG, LAYER_TYPE, RESULT, Role)
@@ -266,7 +266,8 @@ class Recorder:
             if amax is not None:
                 amax = float(amax)      # a 0-d device tensor (delayed scaling): one sync
             options = format_options(config, fmt, hp.dim(), weight=bool(extra.get("weight")),
-                                       amax=amax)
+                                       amax=amax, **{k: extra[k] for k in VARIANT_KEYS
+                                                     if k in extra})
             quantization = operand_metadata(config, fmt, hp, options, extra)
             if extra.get("seed") is not None:
                 options["stochastic"] = True      # for the statistics (stats.quant_error)

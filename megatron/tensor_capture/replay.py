@@ -13,6 +13,9 @@ The metadata fields besides `format`, `axis`, `scale_mode` and `saturate`:
     fp8_block          [1, 128] or [128, 128] (block scaling)
     fp8_margin, fp8_pow2_scale   the FP8 scale rule
     block_2d           bool: a weight quantized in 2-D tiles (NVFP4 16x16, FP8 128x128)
+    nvfp4_4over6, nvfp4_4over6_bound   NVFP4 4/6: "mae" / "mse" and the tensor-scale bound
+    row_scaled         bool: NVFP4 with one tensor amax per line along the block axis (no
+                       tensor_amax is recorded then)
     rht_block, rht_seed   the operand went through the random Hadamard transform first: the
                        recorded tensor is the rotated (zero-padded) operand the GEMM quantized
 
@@ -68,6 +71,11 @@ def operand_metadata(config, fmt: str, hp: torch.Tensor, options: dict,
         meta["stochastic_seed"] = int(seed)
     if kind == "nvfp4":
         meta["block_2d"] = bool(options.get("block_2d"))
+        if options.get("four_over_six"):
+            meta["nvfp4_4over6"] = options["four_over_six"]
+            meta["nvfp4_4over6_bound"] = int(options.get("four_over_six_bound", 448))
+        if options.get("row_scaled"):
+            meta["row_scaled"] = True
     if kind == "fp8":
         block = options.get("block")
         if options.get("scaling") == "block":
@@ -80,7 +88,8 @@ def operand_metadata(config, fmt: str, hp: torch.Tensor, options: dict,
             meta["fp8_margin"] = _plain_number(options.get("margin", 0))
             meta["block_2d"] = False
         meta["fp8_pow2_scale"] = bool(options.get("pow2_scale"))
-    if kind == "nvfp4" or (kind == "fp8" and options.get("scaling") == "tensor"):
+    if (kind == "nvfp4" and not options.get("row_scaled")) or \
+            (kind == "fp8" and options.get("scaling") == "tensor"):
         imposed = extra.get("amax")
         meta["tensor_amax"] = _as_float(imposed) if imposed is not None else \
             own_amax(hp, fmt, options)
@@ -134,10 +143,23 @@ def operand_keywords(metadata: dict) -> dict:
         keywords["amax"] = float(metadata["tensor_amax"])
     if metadata.get("stochastic_seed") is not None:
         keywords["seed"] = int(metadata["stochastic_seed"])
+    if kind == "nvfp4":
+        keywords.update(_nvfp4_variant(metadata))
     if fmt == "hifp8" and metadata.get("hifp8_scaling") == "tensor" and \
             metadata.get("hifp8_scale_exponent") is not None:
         keywords["scale_exponent"] = int(metadata["hifp8_scale_exponent"])
     return keywords
+
+
+def _nvfp4_variant(metadata: dict) -> dict:
+    """fake_quantize's NVFP4 variant options of a recorded operand."""
+    variant = {}
+    if metadata.get("nvfp4_4over6"):
+        variant["four_over_six"] = metadata["nvfp4_4over6"]
+        variant["four_over_six_bound"] = int(metadata.get("nvfp4_4over6_bound", 448))
+    if metadata.get("row_scaled"):
+        variant["row_scaled"] = True
+    return variant
 
 
 def stats_options(metadata: dict) -> dict:
@@ -147,7 +169,7 @@ def stats_options(metadata: dict) -> dict:
     if kind == "nvfp4":
         amax = metadata.get("tensor_amax")
         return {"block_2d": bool(metadata.get("block_2d", False)),
-                "amax": None if amax is None else float(amax)}
+                "amax": None if amax is None else float(amax), **_nvfp4_variant(metadata)}
     if kind == "fp8":
         scaling = metadata.get("fp8_scaling", "tensor")
         if scaling == "block":

@@ -39,6 +39,7 @@ from megatron.quantization.formats import (
     HIFP8_OVERFLOW, NAN_EXPONENT, format_info, mx_shared_exponents)
 from megatron.quantization.formats.fp8 import fp8_scales
 from megatron.quantization.formats.nvfp4 import nvfp4_scales
+from megatron.quantization.formats.nvfp4 import tensor_scales as nvfp4_tensor_scales
 
 
 HIFP8_REGIONS = ("mant3", "mant2", "mant1", "denormal", "underflow", "overflow")
@@ -241,7 +242,8 @@ class ScaleStats(NamedTuple):
     subnormal_blocks: torch.Tensor      # int64: NVFP4 E4M3 scale in (0, 2**-6)
     block_min: torch.Tensor             # float64: smallest nonzero defined block scale (+inf: none)
     block_max: torch.Tensor             # float64: largest (-inf: none)
-    tensor_scale: Optional[torch.Tensor]    # float32 0-d: NVFP4 s_enc, FP8 per-tensor scale
+    tensor_scale: Optional[torch.Tensor]    # float32 0-d: NVFP4 s_enc (None row-scaled),
+                                            # FP8 per-tensor scale
     block_scales: Optional[torch.Tensor]    # float32 block scales (NaN where undefined)
     valid: Optional[torch.Tensor]           # bool, like block_scales: defined and nonzero
 
@@ -276,10 +278,12 @@ def _nvfp4_scale_stats(x: torch.Tensor, axis: int, options: dict) -> ScaleStats:
     """NVFP4 (design note 6.1): the E4M3 block scales s, the tensor scale s_enc, and
     v = f32(x * enc_b), enc_b = 1 / f32(s * s_dec), the values the E2M1 rounding saw."""
     block_2d = bool(options.get("block_2d")) and x.dim() == 2
-    s, amax = nvfp4_scales(x, axis=axis, block_2d=block_2d, amax=options.get("amax"))
-    s_enc = torch.full_like(amax, 2688.0).div_(amax).clamp_(max=FLT_MAX)
-    s_enc = torch.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
-    enc = torch.reciprocal(s * torch.reciprocal(s_enc)).clamp_(max=FLT_MAX)
+    bound = int(options.get("four_over_six_bound", 448))
+    s, amax = nvfp4_scales(x, axis=axis, block_2d=block_2d, amax=options.get("amax"),
+                           four_over_six=options.get("four_over_six"), four_over_six_bound=bound,
+                           row_scaled=bool(options.get("row_scaled")))
+    _, s_enc, s_dec, _ = nvfp4_tensor_scales(amax, None, bound)   # per row when row-scaled
+    enc = torch.reciprocal(s * s_dec).clamp_(max=FLT_MAX)
     blocks, spread = _tiles(x.to(_F32), axis, 16, block_2d)
     saturated = _count_clamped(blocks * spread(enc), format_info("nvfp4"))
     defined = ~torch.isnan(s)
@@ -288,8 +292,8 @@ def _nvfp4_scale_stats(x: torch.Tensor, axis: int, options: dict) -> ScaleStats:
     count = lambda mask: torch.count_nonzero(mask)  # noqa: E731
     return ScaleStats(saturated, constant(s.numel(), x.device, dtype=torch.int64),
                       count(~defined),
-                      count(s == 0), count(valid & (s < E4M3_MIN_NORMAL)), lo, hi, s_enc, s,
-                      valid)
+                      count(s == 0), count(valid & (s < E4M3_MIN_NORMAL)), lo, hi,
+                      None if options.get("row_scaled") else s_enc, s, valid)
 
 
 def _fp8_scale_stats(x: torch.Tensor, fmt: str, axis: int, options: dict,

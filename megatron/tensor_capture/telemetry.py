@@ -41,7 +41,7 @@ import torch
 
 from megatron.quantization.formats import format_info, hifp8_scale_exponent
 from megatron.tensor_capture.records import SameDataCache
-from megatron.quantization.gemm import format_options
+from megatron.quantization.gemm import VARIANT_KEYS, format_options
 from megatron.tensor_capture.operand_sums import (
     MAX_EMPTY, MAX_FIELDS, SUM_FIELDS, operand_statistics)
 from megatron.tensor_capture.stats import HIFP8_REGIONS
@@ -96,7 +96,8 @@ class QuantTelemetry:
             if q is not None:
                 # NVFP4 / FP8: the format options (2-D weight tiles, an imposed or delayed
                 # amax) their scales are recomputed with; stochastic rounding changes none
-                options = format_options(config, fmt, hp.dim(), weight=weight, amax=amax)
+                options = format_options(config, fmt, hp.dim(), weight=weight, amax=amax,
+                                         **{k: extra[k] for k in VARIANT_KEYS if k in extra})
             known = self._same_data.get(hp) if q is not None else None
             sums, maxima, x_side = operand_statistics(
                 hp, q, fmt if q is not None else "none", axis, config.mx.scale_mode, k, known,

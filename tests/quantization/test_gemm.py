@@ -327,8 +327,8 @@ def test_config_validation_and_canonical_names():
     assert not MatmulQuantConfig().enabled
     with pytest.raises(ValueError, match="valid formats"):
         OperandFormats("fp8", "none")
-    with pytest.raises(ValueError, match="floor, rceil"):
-        MatmulQuantConfig(mx=MxSettings(scale_mode="even"))
+    with pytest.raises(ValueError, match="floor, rceil, ceil, even"):
+        MatmulQuantConfig(mx=MxSettings(scale_mode="round"))
     with pytest.raises(TypeError):
         MatmulQuantConfig(fprop=("mxfp8", "mxfp8"))
     config = MatmulQuantConfig()

@@ -281,6 +281,9 @@ NON_DEFAULT_RUNS = [
      "--quant-accumulation-gemms", "fprop", "--fp8-format", "hybrid",
      "--fp8-dot-product-attention", "--fp8-attention-backward", "high_precision",
      "--fp8-attention-dp", "high_precision"],
+    ["--quant-scheme", "linear_nvfp4", "--nvfp4-4over6", "weights", "--nvfp4-4over6-err-mode",
+     "mse", "--nvfp4-4over6-e4m3-use-256", "none", "--nvfp4-row-scaled-activation",
+     "--mx-scale-mode", "even"],
 ]
 
 

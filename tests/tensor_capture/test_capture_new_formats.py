@@ -80,8 +80,7 @@ def _reproduce_every_quantized_record(entries):
         config = operand_config(meta)
         keywords = operand_keywords(meta)
         q = quantize_operand(record["tensor"], meta["format"], meta["axis"], config,
-                             weight=keywords.get("weight", False), amax=keywords.get("amax"),
-                             seed=keywords.get("seed"))
+                             **keywords)
         assert torch.equal(bits(q), bits(record["quantized"])), entry["file"]
         assert torch.equal(bits(requantize(record["tensor"], meta)), bits(q))
         if meta["format"] == "nvfp4" or meta["format"].startswith("fp8_"):
@@ -120,6 +119,29 @@ def test_nvfp4_recipe_capture_reproduces_and_describes_the_recipe(nvfp4_run):
         if gemm == "wgrad" and meta["format"] == "nvfp4":
             # the rotated token axis is zero-padded to the Hadamard block
             assert meta["axis"] == 0 and record["tensor"].shape[0] % 16 == 0
+
+
+def test_nvfp4_variants_in_the_capture(tmp_path_factory):
+    """NVFP4 4/6 (mse, bound 256) on weights and activations and per-token scales of the
+    activations: every record reproduces from its metadata, which names the variant per
+    operand (weights and inputs 4/6, inputs row-scaled without a tensor amax, gradients
+    plain); the telemetry of the same run equals the capture's statistics."""
+    entries, scalars = _run(tmp_path_factory, "nvfp4-variants", [
+        "--quant-scheme", "linear_nvfp4", "--quant-weight-2d", "--nvfp4-4over6", "all",
+        "--nvfp4-4over6-err-mode", "mse", "--nvfp4-row-scaled-activation"])
+    _reproduce_every_quantized_record(entries)
+    quantized = [e["metadata"] for e in entries if e["metadata"]["format"] == "nvfp4"]
+    assert len(quantized) > 20
+    for meta in quantized:
+        slot = (meta["gemm"], meta["operand"])
+        if slot in GRADIENTS:
+            assert "nvfp4_4over6" not in meta and "row_scaled" not in meta, slot
+            assert meta["tensor_amax"] > 0
+            continue
+        assert (meta["nvfp4_4over6"], meta["nvfp4_4over6_bound"]) == ("mse", 256), slot
+        assert meta.get("row_scaled", False) == (meta["operand"] == "input"), slot
+        assert ("tensor_amax" in meta) == (meta["operand"] == "weight"), slot
+    assert assert_telemetry_equals(_expected_telemetry(entries), scalars) > 50
 
 
 def test_fp8_delayed_capture_reproduces_and_records_the_history(fp8_run):
@@ -172,9 +194,10 @@ def _expected_telemetry(entries):
         values = {"amax": np.abs(x).max(), "sqnr_db": 10 * math.log10(signal / error),
                   "flushed_pct": 100 * np.sum((x != 0) & (q == 0)) / np.count_nonzero(x),
                   "saturated_pct": 100 * sum(e["saturated_fraction"] * n
-                                             for e, n in zip(errors, counts)) / sum(counts),
-                  "tensor_scale_min": min(e["tensor_scale"] for e in errors),
-                  "tensor_scale_max": max(e["tensor_scale"] for e in errors)}
+                                             for e, n in zip(errors, counts)) / sum(counts)}
+        if all("tensor_scale" in e for e in errors):     # row-scaled operands have none
+            values.update(tensor_scale_min=min(e["tensor_scale"] for e in errors),
+                          tensor_scale_max=max(e["tensor_scale"] for e in errors))
         if "blocks" in errors[0]:
             blocks = sum(e["blocks"] for e in errors)
             for name in ("zero", "subnormal"):

@@ -25,6 +25,9 @@ MX (OCP Microscaling v1.0)
 
         "floor" (OCP):  e = floor(log2 amax) - emax_elem       (emax_elem = 8, 15, 2)
         "rceil" (NVIDIA recipe): e = ceil(log2(amax / max_normal))
+        "ceil" (torchao): e = ceil(log2 amax) - emax_elem
+        "even" (torchao): e = floor(log2 amax') - emax_elem, amax' = amax with its mantissa
+                          rounded half up to the element's mantissa bits
 
     and clamped to [-127, 127]. An all-zero block gets e = -127 and stays zero (P1). A block
     holding any NaN or +-Inf becomes all NaN, and its exponent is reported as NAN_EXPONENT
@@ -77,7 +80,9 @@ from megatron.quantization.formats.hifp8 import (  # noqa: F401 (public names)
     hifp8_scaled_fake_quantize)
 from megatron.quantization.formats.mx import (
     mx_fake_quantize, mx_block_scales, mx_shared_exponents)
-from megatron.quantization.formats.nvfp4 import nvfp4_fake_quantize, nvfp4_scales
+from megatron.quantization.formats.nvfp4 import (
+    FOUR_OVER_SIX_BOUNDS, FOUR_OVER_SIX_MODES, PLAIN, Nvfp4Form, nvfp4_fake_quantize, nvfp4_form,
+    nvfp4_scales)
 from megatron.quantization.formats.rounding import ROUNDINGS, check_rounding, uniform_noise
 
 __all__ = [
@@ -88,6 +93,7 @@ __all__ = [
     "apply_format", "QuantizeCall", "mx_shared_exponents", "mx_block_scales", "nvfp4_scales",
     "fp8_scales", "fp8_amax", "FP8_BLOCKS", "FP8_TILE", "random_hadamard_transform",
     "hadamard_sign_vector", "hifp8_scaled_fake_quantize", "hifp8_scale_exponent",
+    "FOUR_OVER_SIX_MODES", "FOUR_OVER_SIX_BOUNDS", "Nvfp4Form",
 ]
 
 
@@ -98,8 +104,8 @@ class QuantizeCall:
 
     fmt: the canonical format name; kind: its family (FormatInfo.kind); axis: the
     non-negative block axis (-1 for element-wise and per-tensor scaled formats); options:
-    (block_2d, scaling, margin, pow2_scale, block), hashable so that compiled graphs
-    specialise on them; amax: the imposed per-tensor amax as a 0-d float32 tensor on x's
+    (block_2d, scaling, margin, pow2_scale, block, NVFP4 variant), hashable so that compiled
+    graphs specialise on them; amax: the imposed per-tensor amax as a 0-d float32 tensor on x's
     device, or None."""
 
     fmt: str
@@ -117,6 +123,11 @@ class QuantizeCall:
         return self.options[0]
 
     @property
+    def nvfp4_form(self) -> Nvfp4Form:
+        """4/6 and row scaling (PLAIN for plain NVFP4 and every other format)."""
+        return self.options[5]
+
+    @property
     def stochastic(self) -> bool:
         return self.rounding == "stochastic"
 
@@ -126,7 +137,8 @@ def prepare_call(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "f
                  rounding: str = "nearest", generator: Optional[torch.Generator] = None,
                  scaling: Optional[str] = None, amax=None, margin: float = 0,
                  pow2_scale: bool = False,
-                 block: Optional[Tuple[int, int]] = None) -> QuantizeCall:
+                 block: Optional[Tuple[int, int]] = None, four_over_six: Optional[str] = None,
+                 four_over_six_bound: int = 448, row_scaled: bool = False) -> QuantizeCall:
     """fake_quantize's arguments checked (one ValueError naming the bad value) and normalised
     into a QuantizeCall; see fake_quantize for their meaning."""
     check_tensor(x)
@@ -151,6 +163,13 @@ def prepare_call(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "f
     if amax is not None and not (kind == "nvfp4" or (kind == "fp8" and scaling == "tensor")):
         raise ValueError(f"amax applies to nvfp4 and to fp8 with scaling='tensor', not "
                          f"{fmt!r}" + (f" with scaling={scaling!r}" if scaling else ""))
+    form = PLAIN
+    if kind == "nvfp4":
+        form = nvfp4_form(four_over_six, four_over_six_bound, row_scaled, block_2d=block_2d,
+                          amax=amax, rounding=rounding)
+    elif four_over_six is not None or four_over_six_bound != 448 or row_scaled:
+        raise ValueError(f"four_over_six, four_over_six_bound and row_scaled apply to nvfp4, "
+                         f"not {fmt!r}")
     if kind in ("mx", "nvfp4") or (kind == "fp8" and scaling == "block"):
         axis = normalize_axis(axis, x.dim())
     else:
@@ -158,7 +177,7 @@ def prepare_call(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "f
     if amax is not None:
         amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     return QuantizeCall(fmt, kind, axis, scale_mode, saturate,
-                        (bool(block_2d), scaling, margin, bool(pow2_scale), block),
+                        (bool(block_2d), scaling, margin, bool(pow2_scale), block, form),
                         rounding, generator, amax)
 
 
@@ -167,12 +186,12 @@ def apply_format(x: torch.Tensor, fmt: str, axis: int, scale_mode: str, saturate
     """The format's own implementation, on validated arguments (shared by the eager path and
     the compiled graphs, kernels/compiled.py). noise: uniform [0, 1) numbers of x's shape for
     stochastic rounding (None: round to nearest)."""
-    block_2d, scaling, margin, pow2_scale, block = options
+    block_2d, scaling, margin, pow2_scale, block, form = options
     kind = FORMAT_INFO[fmt].kind
     if kind == "mx":
         return mx_fake_quantize(x, fmt, axis, scale_mode, noise)
     if kind == "nvfp4":
-        return nvfp4_fake_quantize(x, axis, block_2d, noise, amax)
+        return nvfp4_fake_quantize(x, axis, block_2d, noise, amax, form)
     if kind == "fp8":
         return fp8_fake_quantize(x, fmt, axis, scaling, amax, margin, pow2_scale, block, noise)
     if kind == "hifp8":
@@ -212,7 +231,8 @@ def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "
                   rounding: str = "nearest", generator: Optional[torch.Generator] = None,
                   scaling: Optional[str] = None, amax=None, margin: float = 0,
                   pow2_scale: bool = False,
-                  block: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+                  block: Optional[Tuple[int, int]] = None, four_over_six: Optional[str] = None,
+                  four_over_six_bound: int = 448, row_scaled: bool = False) -> torch.Tensor:
     """Quantize `x` to `fmt` and dequantize it back: same shape and dtype, exact values. This
     is the definition, in eager PyTorch; megatron.quantization.fake_quantize takes the same
     arguments plus the kernel mode that picks a faster implementation of it.
@@ -223,7 +243,7 @@ def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "
     axis: the block axis (the GEMM's reduction axis): 32 consecutive elements share an E8M0
     scale (MX), 16 an E4M3 scale (NVFP4), 128 a float32 scale (FP8 block=(1, 128)); ignored
     by element-wise and per-tensor scaled formats.
-    scale_mode: "floor" (OCP) or "rceil" (NVIDIA), MX only.
+    scale_mode: "floor" (OCP), "rceil" (NVIDIA), "ceil" or "even" (torchao), MX only.
     saturate: HiFP8 only. None/False is the plain cast (|x| >= 40960 -> +-Inf); True clamps
     overflow and +-Inf to +-32768. Other formats accept only None.
     block_2d: NVFP4 only: one E4M3 scale per 16x16 tile of a 2-D x (weights), so that the
@@ -239,11 +259,18 @@ def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "
     amax (NVFP4 and FP8 "tensor"): the per-tensor amax to derive the tensor scale from, a
     float or 0-d tensor, instead of x's own (delayed scaling, or one piece of a larger
     operand).
+    four_over_six (NVFP4 only): None, or "mae" / "mse": each block keeps the better of the
+    scales that map its amax to 6 and to 4 (TransformerEngine's nvfp4_4over6; see
+    formats/nvfp4.py); four_over_six_bound: the E4M3 bound of its tensor scale, 448 or 256.
+    row_scaled (NVFP4 only): one tensor amax per line along `axis` (per token for activations)
+    instead of one per tensor (TransformerEngine's row_scaled_activation).
     The result carries no autograd history (wrap it in a straight-through function, or use
     gemm.quantized_linear / quantized_matmul, to train through it).
     """
     call = prepare_call(x, fmt, axis, scale_mode, saturate, block_2d=block_2d,
                         rounding=rounding, generator=generator, scaling=scaling, amax=amax,
-                        margin=margin, pow2_scale=pow2_scale, block=block)
+                        margin=margin, pow2_scale=pow2_scale, block=block,
+                        four_over_six=four_over_six, four_over_six_bound=four_over_six_bound,
+                        row_scaled=row_scaled)
     with torch.no_grad():
         return quantize(x, call, draw_noise(x, call) if x.numel() else None)

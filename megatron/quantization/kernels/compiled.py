@@ -164,7 +164,7 @@ def compiled_fake_quantize(x: torch.Tensor, call: QuantizeCall,
     fmt, kind, axis, scale_mode, saturate = (call.fmt, call.kind, call.axis, call.scale_mode,
                                              call.saturate)
     options, amax = call.options, call.amax
-    block_2d, scaling, _, _, block = options
+    block_2d, scaling, _, _, block, _ = options
     layout, size = _layout(kind, block_2d, scaling, block)
     # x detached: the result carries no autograd history anyway, and requires_grad is a guard.
     graph_x = _graph_input(x, axis, layout, size)
