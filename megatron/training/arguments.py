@@ -825,7 +825,8 @@ def validate_args(args: argparse.Namespace, check_paths: bool = True) -> argpars
                  MAX_TIMEOUT_MINUTES, "minutes a collective may wait")
     if args.exit_duration_in_mins is not None:
         _check_range("--exit-duration-in-mins", args.exit_duration_in_mins, 0, None,
-                     "minutes of training before the run saves and exits", low_open=True)
+                     "minutes of training before the run saves and exits; 0 stops after the "
+                     "first iteration")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:

@@ -27,8 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
-import torch
-
 from megatron.training.errors import ConfigError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -140,6 +138,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module, name):
+        import torch  # here: the file helpers above serve torch-free start-up paths too
+
         if (module, name) in ALLOWED_GLOBALS or \
                 (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
@@ -224,6 +224,8 @@ def load_common_state(ckpt_dir: str) -> dict:
 
 def _check_common_state(path: str):
     """`common.pt` must load as plain data (no code) and be complete; returns it."""
+    import torch
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -160,7 +160,7 @@ def test_same_numbers_twice_and_sr_reproducible_by_seed(trained, tmp_path):
 
 @pytest.mark.parametrize("schemes, extra, expected", [
     (["bf16", "linear_mxfp9"], [], "'linear_mxfp9' is not a scheme"),
-    (["bf16", "linear_mxfp8@mx-scale-mode=ceil"], [], "--schemes 'linear_mxfp8@mx-scale-mode"),
+    (["bf16", "linear_mxfp8@mx-scale-mode=up"], [], "--schemes 'linear_mxfp8@mx-scale-mode"),
     (["bf16", "linear_mxfp8@no-such-flag"], [], "not a quantization flag: --no-such-flag"),
     (["bf16"], ["--quant-scheme", "linear_mxfp8"], "give the arms with --schemes"),
     (["bf16"], ["--gradient-micro-batches", "0"], "--gradient-micro-batches 0"),
