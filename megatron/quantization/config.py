@@ -63,6 +63,49 @@ RECIPE_SOURCES = MappingProxyType({
     "mxfp4_rht_sr": "Tseng, Yu, Park 2025 (arXiv 2502.20586): forward in BF16, dgrad and wgrad "
                     "of every linear layer in MXFP4 with a random Hadamard transform of block 64 "
                     "and stochastic rounding of their operands",
+    # Megatron-Bridge, src/megatron/bridge/training/mixed_precision.py (v0.6.0)
+    "bf16_with_mxfp8_mixed": "Megatron-Bridge's bf16_with_mxfp8_mixed (TE MXFP8BlockScaling, "
+                             "E4M3): every linear GEMM in MXFP8 E4M3, gradients included, rceil "
+                             "scale rule; no BF16 layers",
+    "bf16_with_fp8_current_scaling_mixed": "Megatron-Bridge's bf16_with_fp8_current_scaling_mixed "
+                                           "(TE Float8CurrentScaling, hybrid): E4M3 forward, E5M2 "
+                                           "gradients, one scale per tensor from its own amax; "
+                                           "first and last layer in BF16",
+    "bf16_with_fp8_delayed_scaling_mixed": "Megatron-Bridge's bf16_with_fp8_delayed_scaling_mixed "
+                                           "(TE DelayedScaling, hybrid): scales from an amax "
+                                           "history of 1024 steps (max), margin 0; no BF16 layers",
+    "bf16_with_fp8_subchannel_scaling_mixed": "Megatron-Bridge's "
+                                              "bf16_with_fp8_subchannel_scaling_mixed (TE "
+                                              "Float8BlockScaling, hybrid): 1x128 tiles for "
+                                              "activations and gradients, 128x128 for weights, "
+                                              "power-of-two scales; no BF16 layers",
+    "bf16_with_nvfp4_mixed": "Megatron-Bridge's bf16_with_nvfp4_mixed (TE NVFP4BlockScaling "
+                             "defaults): the nvfp4 recipe's GEMMs (16x16 weight tiles, RHT 16 on "
+                             "wgrad, stochastic rounding of gradients) with no BF16 layers",
+    "nemotron_3_super_bf16_with_nvfp4_mixed": "Megatron-Bridge's "
+                                              "nemotron_3_super_bf16_with_nvfp4_mixed: as "
+                                              "bf16_with_nvfp4_mixed with the last 14 layers in "
+                                              "BF16",
+    # TransformerEngine, transformer_engine/pytorch/custom_recipes/quantizer_factory_zoo.py
+    "mxfp8_fwd_nvfp4_bwd": "TE's mxfp8_fwd_nvfp4_bwd quantizer factory: fprop in MXFP8; dgrad "
+                           "and wgrad in NVFP4 (dY stochastically rounded, RHT 16 on wgrad), the "
+                           "dgrad weight as 1-D NVFP4 requantized from the dequantized MXFP8 "
+                           "weight",
+    "high_precision_fwd_mxfp8_bwd": "TE's high_precision_fwd_mxfp8_bwd quantizer factory: fprop "
+                                    "in BF16, dgrad and wgrad in MXFP8 E4M3",
+    "mxfp8_fwd_high_precision_bwd": "TE's mxfp8_fwd_high_precision_bwd quantizer factory: fprop "
+                                    "in MXFP8, dgrad and wgrad on the forward's dequantized X and "
+                                    "W with dY unquantized (backward_override dequantized)",
+    "nvfp4_1d_weight": "TE's nvfp4_1d_weight quantizer factory: the nvfp4 recipe's GEMMs with "
+                       "1-D weight blocks, the dgrad weight requantized from the dequantized "
+                       "fprop weight; no BF16 layers",
+    "nvfp4_4over6": "TE's NVFP4 4over6 test recipe: every linear GEMM in NVFP4 with 4/6 (MAE, "
+                    "tensor bound 256) on weights and activations, 16x16 weight tiles, no RHT, "
+                    "no stochastic rounding",
+    "nvfp4_row_scaled_fwd_high_precision_bwd": "TE's nvfp4_row_scaled_fwd_high_precision_bwd "
+                                               "quantizer factory: fprop in NVFP4 with per-token "
+                                               "scales of X, dgrad and wgrad on the dequantized "
+                                               "forward operands, dY unquantized",
 })
 RECIPE_NAMES = tuple(RECIPE_SOURCES)
 RHT_BLOCKS = (16, 32, 64, 128)
@@ -122,6 +165,13 @@ def _dest(flag: str) -> str:
 def _name_of(f: dataclasses.Field) -> str:
     """How messages name a setting: its flag, else its field name."""
     return f.metadata.get("flag") or f.name
+
+
+def setting_name(kind, name: str) -> str:
+    """How messages name field `name` of settings dataclass `kind`: its flag, else its
+    recipe-file key, else the field name."""
+    f = next(f for f in dataclasses.fields(kind) if f.name == name)
+    return f.metadata.get("flag") or f.metadata.get("recipe_key") or f.name
 
 
 def _unwrap_optional(tp) -> Tuple[Any, bool]:
@@ -917,6 +967,10 @@ class MatmulQuantConfig:
     # Operand slots whose FP8 operands take their scale from an amax history whatever the
     # FP8 scaling of the rest (TransformerEngine's FP8 attention: S and dP delayed).
     delayed_slots: FrozenSet[str] = frozenset()
+    # Linear operands ("input", "weight") whose backward copies are quantized from the
+    # forward's dequantized tensor (rounded to the input dtype) instead of the original: TE's
+    # HybridQuantizer with columnwise_source="rowwise_dequantized".
+    dequantized_sources: FrozenSet[str] = frozenset()
 
     def __post_init__(self):
         for gemm in GEMMS:
@@ -924,6 +978,10 @@ class MatmulQuantConfig:
             if not isinstance(ops, OperandFormats):
                 raise TypeError(f"MatmulQuantConfig.{gemm} must be OperandFormats, "
                                 f"got {type(ops).__name__}")
+        object.__setattr__(self, "dequantized_sources", frozenset(self.dequantized_sources))
+        if not self.dequantized_sources <= {"input", "weight"}:
+            raise SettingError(f"dequantized sources {sorted(self.dequantized_sources)}: "
+                               "'input' and/or 'weight'")
         for name in ("stochastic", "delayed_slots"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
             unknown = sorted(set(getattr(self, name)) - set(OPERAND_SLOTS))

@@ -25,7 +25,8 @@ _SAID = frozenset({("mx", "scale_mode"), ("mx", "grad_format"), ("hifp8", "scali
          ("hifp8", "saturate"), ("fp8", "format"), ("fp8", "recipe"), ("fp8", "margin"),
          ("fp8", "amax_history_len"), ("fp8", "amax_compute_algo"), ("fp8", "pow2_scale"),
          ("nvfp4", "four_over_six"), ("nvfp4", "four_over_six_err_mode"),
-         ("nvfp4", "four_over_six_e4m3_use_256"), ("nvfp4", "row_scaled_activation")})
+         ("nvfp4", "four_over_six_e4m3_use_256"), ("nvfp4", "row_scaled_activation"),
+         ("gemm", "backward_override")})
 
 
 def config_details(cfg: MatmulQuantConfig) -> str:
@@ -55,6 +56,12 @@ def config_details(cfg: MatmulQuantConfig) -> str:
         details.append(f"RHT {cfg.rht.block} on {'/'.join(cfg.rht.gemms)} (seed {cfg.rht.seed})")
     if cfg.stochastic:
         details.append("stochastic rounding of " + ", ".join(sorted(cfg.stochastic)))
+    if cfg.dequantized_sources:
+        details.append("backward " + " and ".join(sorted(cfg.dequantized_sources)) +
+                       " requantized from the forward's dequantized copy")
+    if cfg.gemm.backward_override:
+        details.append(f"--quant-backward-override {cfg.gemm.backward_override} (the backward "
+                       "GEMMs' operands unquantized or the forward's dequantized, dY unquantized)")
     details.extend(_other_settings(cfg))
     return "; ".join(details)
 

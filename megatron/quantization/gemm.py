@@ -179,10 +179,11 @@ class SiteState:
 
     def __init__(self, path: str, config: MatmulQuantConfig,
                  runtime: Optional[QuantRuntime] = None):
-        if config.gemm.backward_override == "dequantized" and "fprop" in config.rht.gemms:
-            raise ValueError(f"{path or 'a GEMM site'}: --quant-backward-override dequantized "
-                             "with a Hadamard transform on fprop: the backward GEMMs would take "
-                             "the rotated input; drop one of them")
+        if any(dequantized_backward_sources(config)) and "fprop" in config.rht.gemms:
+            raise ValueError(f"{path or 'a GEMM site'}: backward GEMMs on the dequantized "
+                             "forward operands (--quant-backward-override dequantized, or a "
+                             "recipe's dequantized sources) with a Hadamard transform on fprop: "
+                             "they would take the rotated operands; drop one of them")
         self.path = path
         self.runtime = runtime if runtime is not None else QuantRuntime()
         fp8 = config.fp8
@@ -345,8 +346,8 @@ class _QuantizedLinear(torch.autograd.Function):
         qw = _weight_operand(observer, config, "fprop", weight, 1, state)
         # Only the local shard of a sequence-parallel input is kept (backward gathers it
         # again), or the whole dequantized input the backward GEMMs take instead of it.
-        ctx.dequantized = config.gemm.backward_override == "dequantized"
-        ctx.save_for_backward(qx if ctx.dequantized else shard, weight)
+        ctx.x_dequantized, ctx.w_dequantized = dequantized_backward_sources(config)
+        ctx.save_for_backward(qx if ctx.x_dequantized else shard, weight)
         return gemm_result(observer, "fprop", "output", _linear(config, qx, qw, bias))
 
     @staticmethod
@@ -358,11 +359,11 @@ class _QuantizedLinear(torch.autograd.Function):
         grad_x = grad_w = grad_bias = None
         wait_x = wait_grad_x = None
         w_operand = weight
+        if ctx.w_dequantized:             # the weight as fprop quantized it (cached)
+            w_operand = _weight_operand(None, config, "fprop", weight, 1, state)
         if config.gemm.backward_override is not None:
-            if ctx.dequantized:           # the weight as fprop quantized it (cached)
-                w_operand = _weight_operand(None, config, "fprop", weight, 1, state)
             config = _unquantized_backward(config)
-        if need_w and comm is not None and not ctx.dequantized:
+        if need_w and comm is not None and not ctx.x_dequantized:
             # The sequence-parallel input is gathered again while the dgrad GEMM runs.
             x, wait_x = comm.gather_input(x, async_op=True)
         if need_x:
@@ -388,6 +389,15 @@ class _QuantizedLinear(torch.autograd.Function):
         if wait_grad_x is not None:
             wait_grad_x()
         return grad_x, grad_w, grad_bias, None, None, None, None, None
+
+
+def dequantized_backward_sources(config: MatmulQuantConfig):
+    """(input, weight): whether the backward GEMMs of a linear site take X and W from the
+    forward's dequantized copies (quantized again in their own formats, or not at all under
+    --quant-backward-override dequantized) instead of the originals."""
+    override = config.gemm.backward_override == "dequantized"
+    return (override or "input" in config.dequantized_sources,
+            override or "weight" in config.dequantized_sources)
 
 
 def _unquantized_backward(config: MatmulQuantConfig) -> MatmulQuantConfig:

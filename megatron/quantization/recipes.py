@@ -1,5 +1,5 @@
-"""Quantization recipes: the named FP4 recipes of the papers, and recipe files in megatron-core's
-own `RecipeConfig` shape (named configs + ordered glob matchers over module paths).
+"""Recipe files in megatron-core's own `RecipeConfig` shape (named configs + ordered glob
+matchers over module paths); the named recipes are presets.py's.
 
 A recipe file (YAML or JSON) reads
 
@@ -41,7 +41,6 @@ A setting a config does not name keeps the run's flag value.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import stat
@@ -64,11 +63,6 @@ _GEMM_KEYS = ("format", "a", "b", "rht", "stochastic")
 
 class RecipeError(SettingError):
     """A recipe file or recipe setting that cannot be used; the message is one line."""
-
-
-def nvfp4_bf16_layers_at_end(num_layers: int) -> int:
-    """The NVFP4 recipe's BF16 tail: about 15% of the layers, at least one."""
-    return max(1, int(math.floor(0.15 * num_layers + 0.5)))
 
 
 def bf16_layer_numbers(num_layers: int, at_start: int, at_end: int) -> frozenset:
@@ -109,23 +103,6 @@ def _check_keys(mapping, valid, where: str) -> None:
     if unknown:
         raise RecipeError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; valid: "
                           f"{', '.join(valid)}")
-
-
-def named_recipe(name: str, num_layers: int, seed: int, base: Optional[QuantSettings] = None):
-    """(linear config, default BF16 layers at (start, end)) of a named recipe; its site
-    concerns (MX scale rule, ..., how the GEMMs compute) are the run's settings `base`."""
-    concerns = {c: getattr(base or QuantSettings(), c) for c in SITE_CONCERNS}
-    if name == "nvfp4":
-        cfg = MatmulQuantConfig(
-            fprop=OperandFormats("nvfp4", "nvfp4"), dgrad=OperandFormats("nvfp4", "nvfp4"),
-            wgrad=OperandFormats("nvfp4", "nvfp4"), stochastic=STOCHASTIC_SLOTS["grad"],
-            rht=RhtSettings(("wgrad",), 16, seed), weight_2d=True, **concerns)
-        return cfg, (0, nvfp4_bf16_layers_at_end(num_layers))
-    cfg = MatmulQuantConfig(
-        dgrad=OperandFormats("mxfp4", "mxfp4"), wgrad=OperandFormats("mxfp4", "mxfp4"),
-        stochastic=frozenset({"dgrad.a", "dgrad.b", "wgrad.a", "wgrad.b"}),
-        rht=RhtSettings(("dgrad", "wgrad"), 64, seed), **concerns)
-    return cfg, (0, 0)
 
 
 def _site_settings(payload: dict, where: str, base: QuantSettings) -> dict:

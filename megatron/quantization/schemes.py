@@ -33,8 +33,8 @@ from megatron.quantization.config import (
     GEMMS, NONE, SITE_CONCERNS, STOCHASTIC_SLOTS, MatmulQuantConfig, Nvfp4Settings,
     OperandFormats, QuantConfig, QuantSettings, RhtSettings, SettingError, effective_scheme,
     scheme_formats)
-from megatron.quantization.recipes import (
-    RecipeError, bf16_layer_numbers, load_recipe_file, named_recipe)
+from megatron.quantization.presets import named_recipe
+from megatron.quantization.recipes import RecipeError, bf16_layer_numbers, load_recipe_file
 
 
 def grad_variant(fmt: str, settings: QuantSettings) -> str:
@@ -176,8 +176,10 @@ def resolve(settings: QuantSettings, num_layers: int, seed: int = 0) -> QuantCon
                      "weights have 2-D tiles")
     bf16_at = r.bf16_layers
     if r.recipe:
-        linear, recipe_bf16 = named_recipe(r.recipe, num_layers, seed, settings)
-        bf16_at = bf16_at if bf16_at is not None else recipe_bf16
+        preset = named_recipe(r.recipe, num_layers, seed, settings)
+        linear = preset.linear
+        notes.extend(preset.notes if bf16_at is None else ())
+        bf16_at = bf16_at if bf16_at is not None else preset.bf16_layers
     rules = None
     if r.recipe_file:
         try:

@@ -7,7 +7,8 @@ import pytest
 
 from megatron.quantization.config import OperandFormats, SettingError
 from megatron.quantization.describe import describe_config
-from megatron.quantization.recipes import global_module_path, nvfp4_bf16_layers_at_end
+from megatron.quantization.presets import nvfp4_bf16_layers_at_end
+from megatron.quantization.recipes import global_module_path
 from megatron.training.arguments import ConfigError, parse_args, validate_args
 
 from conftest import TINY_MOCK_ARGS

@@ -1,0 +1,147 @@
+"""Named recipes (--quant-recipe NAME): Megatron-Bridge's mixed-precision recipes and
+TransformerEngine's quantizer-factory combinations, each checked against what its source
+defines (formats per GEMM operand, scaling, BF16 layers, backward sources), every one trained a
+step of llama-tiny on the CPU with its formats in the start-up table, and the flags that would
+contradict one refused."""
+
+import pytest
+import torch
+
+import pretrain_gpt
+from conftest import TINY_MOCK_ARGS
+from megatron.evaluation.specs import arm_config
+from megatron.quantization.config import RECIPE_NAMES, QuantSettings, SettingError
+from megatron.quantization.describe import describe_config
+from megatron.quantization.formats import fake_quantize
+from megatron.quantization.gemm import quantized_linear
+from megatron.quantization.schemes import quant_config
+from megatron.training.training import pretrain
+
+E4M3, E5M2, MX8 = "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3"
+FP8_HYBRID = ((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2))
+NVFP4 = (("nvfp4", "nvfp4"),) * 3
+NONE2 = ("none", "none")
+
+# name: ((fprop, dgrad, wgrad) operand formats, BF16 layers of 16, what else it defines)
+EXPECTED = {
+    "bf16_with_mxfp8_mixed": (((MX8, MX8),) * 3, set(), dict(scale_mode="rceil")),
+    "bf16_with_fp8_current_scaling_mixed": (FP8_HYBRID, {1, 16}, dict(fp8="tensorwise")),
+    "bf16_with_fp8_delayed_scaling_mixed": (FP8_HYBRID, set(), dict(fp8="delayed")),
+    "bf16_with_fp8_subchannel_scaling_mixed": (FP8_HYBRID, set(), dict(fp8="blockwise",
+                                                                       weight_2d=True)),
+    "bf16_with_nvfp4_mixed": (NVFP4, set(), dict(weight_2d=True, rht=("wgrad",),
+                                                 stochastic={"dgrad.a", "wgrad.b"})),
+    "nemotron_3_super_bf16_with_nvfp4_mixed": (NVFP4, set(range(3, 17)), dict(weight_2d=True)),
+    "mxfp8_fwd_nvfp4_bwd": (((MX8, MX8), ("nvfp4", "nvfp4"), ("nvfp4", "nvfp4")), set(),
+                            dict(rht=("wgrad",), sources={"weight"}, weight_2d=False)),
+    "high_precision_fwd_mxfp8_bwd": ((NONE2, (MX8, MX8), (MX8, MX8)), set(), {}),
+    "mxfp8_fwd_high_precision_bwd": (((MX8, MX8), NONE2, NONE2), set(),
+                                     dict(override="dequantized")),
+    "nvfp4_1d_weight": (NVFP4, set(), dict(weight_2d=False, sources={"weight"})),
+    "nvfp4_4over6": (NVFP4, set(), dict(weight_2d=True, rht=(), stochastic=set(),
+                                        four_over_six="all")),
+    "nvfp4_row_scaled_fwd_high_precision_bwd": ((("nvfp4", "nvfp4"), NONE2, NONE2), set(),
+                                                dict(row_scaled=True,
+                                                     override="dequantized")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_preset_is_what_its_source_defines(name):
+    formats, bf16, other = EXPECTED[name]
+    q = quant_config(["--quant-recipe", name], num_layers=16)
+    lin = q.linear
+    assert tuple((getattr(lin, g).a, getattr(lin, g).b) for g in ("fprop", "dgrad", "wgrad")) \
+        == formats
+    assert set(q.skip_layers) == bf16
+    assert not q.attn_qk.enabled and not q.attn_pv.enabled
+    checks = {"scale_mode": lambda v: lin.mx.scale_mode == v,
+              "fp8": lambda v: lin.fp8.scaling == v and lin.fp8.format == "hybrid",
+              "weight_2d": lambda v: lin.weight_2d == v,
+              "rht": lambda v: lin.rht.gemms == v,
+              "stochastic": lambda v: lin.stochastic == v,
+              "sources": lambda v: lin.dequantized_sources == v,
+              "override": lambda v: lin.gemm.backward_override == v,
+              "four_over_six": lambda v: lin.nvfp4.four_over_six == v,
+              "row_scaled": lambda v: lin.nvfp4.row_scaled_activation == v}
+    for key, value in other.items():
+        assert checks[key](value), (name, key)
+    if name == "bf16_with_fp8_delayed_scaling_mixed":
+        assert (lin.fp8.amax_history_len, lin.fp8.amax_compute_algo, lin.fp8.margin) == (
+            1024, "max", 0)
+
+
+def test_every_named_recipe_is_covered_here():
+    assert set(RECIPE_NAMES) == set(EXPECTED) | {"nvfp4", "mxfp4_rht_sr"}
+
+
+def test_the_weight_of_mxfp8_fwd_nvfp4_bwd_is_requantized_from_the_mxfp8_copy():
+    """TE's HybridQuantizer(row=MXFP8, col=NVFP4 1-D, columnwise_source=rowwise_dequantized):
+    the dgrad weight is NVFP4 (blocks along N) of the MXFP8-dequantized weight (blocks along K,
+    rceil), not of the weight itself; wgrad's X is quantized from the original (rotated) X."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 64, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(48, 64, generator=g) * 0.05).bfloat16().requires_grad_()
+    config = quant_config(["--quant-recipe", "mxfp8_fwd_nvfp4_bwd"], num_layers=2).linear
+    seen = {}
+
+    def observer(gemm, operand, hp, q, fmt, axis, **extra):
+        seen[(gemm, operand)] = (hp.detach(), q)
+    quantized_linear(x, w, None, config, observer).backward(torch.randn(4, 8, 48).bfloat16())
+    mx_w = fake_quantize(w.detach(), "mxfp8_e4m3", axis=1, scale_mode="rceil")
+    assert torch.equal(seen["fprop", "weight"][1], mx_w)
+    hp, q = seen["dgrad", "weight"]
+    assert torch.equal(hp, mx_w) and torch.equal(q, fake_quantize(mx_w, "nvfp4", axis=0))
+    assert not torch.equal(q, fake_quantize(w.detach(), "nvfp4", axis=0))
+    # wgrad's input is the original X (rotated, zero-padded to the block), not the MXFP8 copy
+    hp_x, _ = seen["wgrad", "input"]
+    assert hp_x.shape == (32, 64)
+    assert not torch.equal(hp_x, x.detach().reshape(32, 64))     # rotated
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quant-recipe", "bf16_with_mxfp8_mixed", "--mx-scale-mode", "even"],
+     "--quant-recipe bf16_with_mxfp8_mixed sets --mx-scale-mode rceil; drop --mx-scale-mode "
+     "even"),
+    (["--quant-recipe", "bf16_with_fp8_current_scaling_mixed", "--fp8-format", "e4m3"],
+     "sets --fp8-format hybrid; drop --fp8-format e4m3"),
+    (["--quant-recipe", "nvfp4_4over6", "--nvfp4-4over6-err-mode", "mse"],
+     "sets --nvfp4-4over6-err-mode mae"),
+    (["--quant-recipe", "mxfp8_fwd_high_precision_bwd", "--quant-backward-override",
+      "high_precision"], "sets --quant-backward-override dequantized"),
+])
+def test_a_flag_that_contradicts_the_preset_is_refused(argv, message):
+    with pytest.raises(SettingError, match=message):
+        quant_config(argv, num_layers=4)
+
+
+def test_a_preset_takes_the_settings_it_leaves_open():
+    """What a preset does not define stays the run's: the accumulator model, 4/6 on the
+    weights of an NVFP4 preset, the MX gradient format of a preset that does not set it."""
+    lin = quant_config(["--quant-recipe", "bf16_with_nvfp4_mixed", "--quant-accumulation-bits",
+                        "13", "--nvfp4-4over6", "weights"], num_layers=4).linear
+    assert lin.gemm.accumulation_bits == 13 and lin.nvfp4.four_over_six == "weights"
+    lin = quant_config(["--quant-recipe", "mxfp8_fwd_nvfp4_bwd", "--mx-grad-format", "e5m2"],
+                       num_layers=4).linear
+    assert lin.mx.grad_format == "e5m2"
+
+
+def test_evaluation_specs_name_every_preset():
+    """tools/evaluate.py's recipe_<name> specs reach every preset."""
+    for name in RECIPE_NAMES:
+        config = arm_config(f"recipe_{name}", QuantSettings(), num_layers=16, seed=0)
+        assert config.recipe == name
+        assert config.linear == quant_config(["--quant-recipe", name], num_layers=16).linear
+
+
+@pytest.mark.parametrize("name", sorted(RECIPE_NAMES))
+def test_every_preset_trains_and_shows_its_formats(name, capsys):
+    result = pretrain(pretrain_gpt.forward_step, TINY_MOCK_ARGS + [
+        "--train-iters", "1", "--quant-recipe", name])
+    assert result.exit_reason == "train-iters"
+    assert all(torch.isfinite(torch.tensor(list(result.losses.values()))))
+    out = capsys.readouterr().out
+    assert f"quantization: recipe {name}" in out
+    table = describe_config(quant_config(["--quant-recipe", name], num_layers=2))
+    for line in table.splitlines()[3:6]:          # the fprop, dgrad and wgrad lines
+        assert line.strip() in out, (name, line)
