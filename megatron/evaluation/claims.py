@@ -18,12 +18,19 @@ from megatron.analysis.intervals import mean_interval, paired_delta
 # Direct cast: every scheme family and recipe, plus the arms the claims compare.
 RHT_FPROP = "linear_nvfp4@quant-rht=16,quant-rht-gemms=fprop"
 MXFP8_RCEIL = "linear_mxfp8@mx-scale-mode=rceil"
+# NVFP4 "4/6" (TE's nvfp4_4over6, MAE unless named) and per-token activation scales.
+FOUR_OVER_SIX = "linear_nvfp4@nvfp4-4over6=all"
+FOUR_OVER_SIX_ARMS = ("linear_nvfp4@nvfp4-4over6=weights",
+                      "linear_nvfp4@nvfp4-4over6=activations", FOUR_OVER_SIX,
+                      FOUR_OVER_SIX + ",nvfp4-4over6-err-mode=mse")
+ROW_SCALED = "linear_nvfp4@nvfp4-row-scaled-activation"
 DIRECT_ARMS = (
     "bf16", "FA_mxfp8", "FA_hifp8", "FA_mxfp4", "linear_mxfp8", "linear_hifp8", "linear_mxfp4",
     "FA_linear_mxfp8", "FA_linear_hifp8", "FA_linear_mxfp4", MXFP8_RCEIL,
     "FA_linear_hifp8@hifp8-scaling=tensor", "linear_mxfp6_e2m3", "linear_mxfp6_e3m2",
     "linear_fp8@fp8-recipe=tensorwise", "linear_fp8@fp8-recipe=blockwise", "linear_nvfp4",
     "FA_linear_nvfp4", RHT_FPROP, "recipe_nvfp4", "recipe_mxfp4_rht_sr",
+    *FOUR_OVER_SIX_ARMS, ROW_SCALED,
 )
 
 # Gradient fidelity: forward unquantized where a claim is about one backward GEMM.
@@ -33,7 +40,7 @@ RN_BACKWARD = "linear_nvfp4@quant-fprop=none"
 GRADIENT_ARMS = (
     "bf16", "linear_mxfp8", "linear_mxfp4", "linear_nvfp4", "recipe_nvfp4",
     WGRAD, WGRAD + ",quant-rht=16", DGRAD, DGRAD + ",quant-rht=16,quant-rht-gemms=dgrad",
-    RN_BACKWARD, RN_BACKWARD + ",quant-stochastic-rounding=all",
+    RN_BACKWARD, RN_BACKWARD + ",quant-stochastic-rounding=all", FOUR_OVER_SIX, ROW_SCALED,
 )
 
 
@@ -76,6 +83,15 @@ def check(direct: dict, sequences_path: str, grads: dict) -> List[Dict[str, str]
         claim="NVFP4's error is below MXFP4's (16-element blocks, E4M3 scales)",
         source="NVFP4 pretraining (arXiv 2509.25149): MXFP4 +2.5% vs NVFP4 +1.5% loss at 8B",
         measured=f"direct cast, loss(linear_nvfp4) - loss(linear_mxfp4) = {_fmt(d)} nats/token",
+        verdict=_verdict_below(d["ci95"])))
+
+    d = paired_delta(seq(FOUR_OVER_SIX), seq("linear_nvfp4"), seq.tokens)
+    rows.append(dict(
+        claim="4/6 brings NVFP4 closer to BF16",
+        source="Four Over Six (arXiv 2512.02010): NVFP4 up to 19.9% closer to BF16 perplexity "
+               "in direct cast",
+        measured=f"direct cast, loss(linear_nvfp4 with 4/6 on weights and activations, MAE) - "
+                 f"loss(linear_nvfp4) = {_fmt(d)} nats/token",
         verdict=_verdict_below(d["ci95"])))
 
     sweep = direct["sweep"]

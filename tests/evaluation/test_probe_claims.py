@@ -13,13 +13,16 @@ M = 40          # sequences
 N_TOK = 100     # tokens per sequence
 
 
-def _inputs(tmp_path, nvfp4_shift, last_minus_first, wgrad_rht_shift, sr_slope):
+def _inputs(tmp_path, nvfp4_shift, last_minus_first, wgrad_rht_shift, sr_slope,
+            four_over_six_shift=-0.01):
     rng = np.random.default_rng(0)
     base = rng.normal(600.0, 20.0, M)
     noise = lambda: rng.normal(0.0, 0.5, M)       # noqa: E731  (sum over 100 tokens)
     arms = {"bf16": base, "linear_mxfp4": base + 3.0 + noise(),
             "linear_nvfp4": base + 3.0 + nvfp4_shift * N_TOK + noise(),
             claims.RHT_FPROP: base + 3.0 + nvfp4_shift * N_TOK + 0.5 + noise(),
+            claims.FOUR_OVER_SIX: base + 3.0 + (nvfp4_shift + four_over_six_shift) * N_TOK +
+            noise(),
             "linear_mxfp8": base + 0.2 + noise(), claims.MXFP8_RCEIL: base + 0.1 + noise()}
     sites = []
     for layer in (1, 2):
@@ -66,15 +69,17 @@ def test_verdicts_when_every_claim_holds(tmp_path):
                                  wgrad_rht_shift=-0.05, sr_slope=-0.5))
     v = _verdicts(rows)
     assert all(verdict == "agrees" for verdict in v.values()), v
-    assert len(rows) == 7
+    assert len(rows) == 8
     nvfp4 = next(r for r in rows if r["claim"].startswith("NVFP4"))
     assert "-0.01" in nvfp4["measured"]
 
 
 def test_verdicts_when_claims_fail_or_are_not_resolved(tmp_path):
     rows = claims.check(*_inputs(tmp_path, nvfp4_shift=0.0, last_minus_first=-0.02,
-                                 wgrad_rht_shift=0.05, sr_slope=0.0))
+                                 wgrad_rht_shift=0.05, sr_slope=0.0,
+                                 four_over_six_shift=0.02))
     v = _verdicts(rows)
+    assert v["4/6 brings NVFP4 closer to BF16"] == "disagrees"
     assert v["NVFP4's error is below MXFP4's (16-element blocks, E4M3 scales)"] == \
         "not resolved (interval includes 0)"
     assert v["The last layers are more sensitive to FP4 than the first"] == "disagrees"
