@@ -95,6 +95,10 @@ def parse(argv: Optional[List[str]] = None):
     if args.quant_scheme or args.quant_recipe or args.quant_recipe_file:
         raise ConfigError("give the arms with --schemes (SPEC@flag=value for an arm's own "
                           "flags), not --quant-scheme/--quant-recipe/--quant-recipe-file")
+    if args.quant_schedule:
+        from megatron.quantization.schedule import NOT_IN_EVALUATION
+
+        raise ConfigError(NOT_IN_EVALUATION)
     # Training-only settings evaluation never uses (validate_args requires them).
     if args.train_iters is None:
         args.train_iters = 1

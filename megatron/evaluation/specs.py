@@ -7,7 +7,8 @@
     FLAG   = a pretrain_gpt.py quantization flag without its dashes; a list value joins its
              items with "+" (quant-rht-gemms=fprop+wgrad)
 
-e.g. `linear_mxfp8@mx-scale-mode=rceil`, `linear_nvfp4@quant-stochastic-rounding=grad,quant-fprop=none`.
+e.g. `linear_mxfp8@mx-scale-mode=rceil`,
+`linear_nvfp4@quant-stochastic-rounding=grad,quant-fprop=none`.
 The spec is the arm's label. Quantization flags given on the command line apply to every arm;
 a spec's own flags apply on top of them. A spec can set quantization flags only (config.py):
 anything else (a sequence length, a seed) is the run's, shared by every arm, and an error here.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+from megatron.quantization import schedule
 from megatron.quantization.config import (
     RECIPE_NAMES, SCHEMES, QuantConfig, QuantSettings, SettingError, settings_from_flags)
 from megatron.quantization.schemes import resolve
@@ -53,6 +55,9 @@ def arm_config(spec: str, base: QuantSettings, num_layers: int, seed: int) -> Qu
     base = base.replace(scheme=base.scheme.replace(scheme="bf16", source="default"),
                         recipe=base.recipe.replace(recipe=None, recipe_file=None))
     try:
-        return resolve(settings_from_flags(argv, base=base), num_layers, seed)
+        settings = settings_from_flags(argv, base=base)
+        if settings.recipe.schedule:
+            raise SettingError(schedule.NOT_IN_EVALUATION)
+        return resolve(settings, num_layers, seed)
     except SettingError as exc:
         raise ConfigError(f"--schemes {spec!r}: {exc}") from None

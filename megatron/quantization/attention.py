@@ -271,7 +271,7 @@ class _Gemms:
     reduction axis (2: the last, 1: the rows) and reported as quantized_matmul reports it."""
 
     def __init__(self, qk_site, pv_site, observers, share: bool):
-        self.qk_cfg, self.pv_cfg = (s.config if s is not None else MatmulQuantConfig()
+        self.qk_cfg, self.pv_cfg = (s.active_config if s is not None else MatmulQuantConfig()
                                     for s in (qk_site, pv_site))
         self.qk_state, self.pv_state = (s.state if s is not None else None
                                         for s in (qk_site, pv_site))
@@ -485,7 +485,7 @@ class QuantDotProductAttention(LocalDotProductAttention):
 
     @staticmethod
     def _config(site: Optional[GemmSite]) -> MatmulQuantConfig:
-        return site.config if site is not None else MatmulQuantConfig()
+        return site.active_config if site is not None else MatmulQuantConfig()
 
     @staticmethod
     def _observer(site: Optional[GemmSite]):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterator, List, Literal, Optional, Sequence, Tuple
 
 from megatron.quantization.formats import SCALE_MODES, canonical_format, format_info
+from megatron.quantization.schedule import check_entry as check_schedule_entry
 
 # -- choices -----------------------------------------------------------------------------------
 
@@ -562,8 +563,23 @@ class RecipeSettings(Settings):
     num_layers_at_end_in_bf16: int = setting(
         1, flag="--num-layers-at-end-in-bf16", minimum=0,
         help="Layers at the end kept in BF16 with --first-last-layers-bf16 (default 1).")
+    schedule: Tuple[str, ...] = setting(
+        (), flag="--quant-schedule", nargs="+", metavar="PHASE@WHEN",
+        help="A precision schedule: from the iteration after WHEN on, every site runs in PHASE: "
+             "quantized (as configured; how a run starts), high_precision_forward (the forward "
+             "GEMMs -- linear fprop, attention QK^T and PV -- in the run's precision, BF16 "
+             "under --bf16; the backward as configured) or high_precision (every GEMM). WHEN is "
+             "an iteration count (900) or a fraction of --train-iters with a decimal point "
+             "(0.9). E.g. 'high_precision_forward@0.85' (the NVFP4 paper's Appendix D), "
+             "'high_precision@0.5 quantized@0.75' for an ablation. Each switch is logged, "
+             "checkpoints record the schedule and a resume follows it.")
 
     def check(self) -> None:
+        for entry in self.schedule:
+            try:
+                check_schedule_entry(entry)
+            except ValueError as exc:
+                raise SettingError(str(exc)) from None
         if self.rht_gemms is not None and not self.rht:
             raise SettingError("--quant-rht-gemms needs --quant-rht BLOCK (the transform is off)")
         if self.recipe and self.recipe_file:
@@ -758,7 +774,7 @@ def _from_flags(kind, values: dict):
         if key is None or key not in values:
             continue
         value = values[key]
-        if f.metadata.get("nargs") == "*" and value is None:
+        if value is None and f.default == ():       # a list flag not given: the empty list
             value = ()
         kwargs[f.name] = tuple(value) if isinstance(value, list) else value
     return kind(**kwargs)
@@ -948,8 +964,8 @@ class MatmulQuantConfig:
     wgrad:  dB = A^T @ dC (a=A, b=dC)
 
     plus the settings of the concerns its operands' formats use (SITE_CONCERNS: MX scale rule,
-    NVFP4 variants, HiFP8 and FP8 scaling, how its GEMMs compute), the operand slots it rounds stochastically
-    ("fprop.a", ... see OPERAND_SLOTS; MX, NVFP4 and FP8 operands), its Hadamard transform
+    NVFP4 variants, HiFP8 and FP8 scaling, how its GEMMs compute), the operand slots it rounds
+    stochastically ("fprop.a", ... see OPERAND_SLOTS; MX, NVFP4 and FP8 operands), its Hadamard transform
     (linear sites only) and whether its weights are quantized in 2-D tiles (NVFP4 16x16, FP8
     blockwise 128x128; linear sites)."""
 

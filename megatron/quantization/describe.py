@@ -149,6 +149,9 @@ def describe_config(quant: QuantConfig, num_layers: Optional[int] = None,
         lines.append(f"  layers kept in high precision: {layers}")
     elif num_layers is not None:
         lines.append(f"  applies to all {num_layers} transformer layers")
+    if quant.settings.recipe.schedule:
+        lines.append("  precision schedule: " + " ".join(quant.settings.recipe.schedule) +
+                     " (--quant-schedule; the iteration ranges follow at start-up)")
     lines.extend(f"  note: {note}" for note in quant.notes)
     return "\n".join(lines)
 

@@ -37,7 +37,9 @@ class QuantizedLinearMixin:
 
     @property
     def quant_config(self) -> MatmulQuantConfig:
-        return self.quant_site.config if self.quant_site is not None else MatmulQuantConfig()
+        """The site's config as the precision schedule runs it now."""
+        return self.quant_site.active_config if self.quant_site is not None \
+            else MatmulQuantConfig()
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
                       allreduce_dgrad=False, sequence_parallel=False, tp_group=None,

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from megatron.quantization.config import MatmulQuantConfig
 from megatron.quantization.gemm import SiteState
+from megatron.quantization.schedule import phase_config
 
 Observer = Callable[..., None]
 
@@ -39,6 +40,14 @@ class GemmSite:
     layer_number: Optional[int]
     config: MatmulQuantConfig
     state: Optional[SiteState] = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def active_config(self) -> MatmulQuantConfig:
+        """The config the site runs now: `config` as the precision schedule's current phase
+        runs it (schedule.py; `config` itself while quantized)."""
+        if self.state is None:
+            return self.config
+        return phase_config(self.config, self.state.runtime.phase)
 
 
 def observer_for(site: GemmSite):

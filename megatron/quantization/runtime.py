@@ -8,6 +8,8 @@ The converter (apply_quantization) makes one runtime per model and hands it to e
   ask `observer_for(site)` in their forward pass and pay nothing when there are none;
 * the key of the stochastic-rounding draws (randomness.RoundingDraws): the run's seed, the
   iteration and the data-parallel stream, set by the training loop;
+* the precision schedule's phase (schedule.py), set by the training loop each iteration: the
+  sites run `phase_config` of their config (GemmSite.active_config);
 * the generation of the cached quantized weights: `invalidate_weights` forgets them, and
   `watch_optimizer` makes this run's optimizer call it after every step.
 
@@ -25,6 +27,7 @@ import torch
 
 from megatron.quantization.config import BackendSettings
 from megatron.quantization.randomness import RoundingDraws
+from megatron.quantization.schedule import QUANTIZED
 
 Observer = Callable[..., None]
 
@@ -36,6 +39,7 @@ class QuantRuntime:
         self.backend = backend or BackendSettings()
         self.observers: List[Observer] = []
         self.draws = RoundingDraws()
+        self.phase = QUANTIZED
         self.weights_generation = 0
         self._hooks = []
 

@@ -52,6 +52,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron.quantization import schedule
 from megatron.quantization.delayed_scaling import histories_state, load_histories_state
 
 from megatron.training import run_lock
@@ -580,13 +581,16 @@ def _file_sha256(path: Optional[str]) -> Optional[str]:
 def run_settings(args) -> Optional[dict]:
     """What a checkpoint records of the run that saved it, for a resume to compare: the typed
     quantization settings as flags (QuantSettings.as_flags), the run's label, the sha256 of
-    its --quant-recipe-file, its precision and --seed. None without a quantization config."""
+    its --quant-recipe-file, its precision and --seed, and the precision schedule's switches
+    as iteration counts. None without a quantization config."""
     quant = getattr(args, "quant_config", None)
     if quant is None:
         return None
     flags = quant.settings.as_flags()
     return {
         "quantization": {dest: _plain(value) for dest, value in flags.items()},
+        "schedule": [[after, phase] for after, phase in
+                     getattr(args, "quant_schedule_switches", [])],
         "label": quant.label,
         "recipe_file_sha256": _file_sha256(flags.get("quant_recipe_file")),
         "precision": getattr(args, "params_dtype_name", None),
@@ -654,7 +658,7 @@ def compare_run_settings(root: str, ckpt: str, args) -> List[str]:
     differ, stated = [], []
     saved_q, current_q = saved["quantization"], current["quantization"]
     for dest in list(current_q) + [d for d in saved_q if d not in current_q]:
-        if dest == "quant_recipe_file":
+        if dest in ("quant_recipe_file", "quant_schedule"):     # compared below
             continue
         # A setting unknown to one side had its default there (added or removed since).
         was = saved_q.get(dest, defaults.get(dest))
@@ -673,12 +677,13 @@ def compare_run_settings(root: str, ckpt: str, args) -> List[str]:
     elif was_file != now_file:
         stated.append(f"--quant-recipe-file {was_file} (checkpoint) vs {now_file} (this run; "
                       "the same contents)")
+    schedule_note = _compare_schedules(saved, current, _iteration_of(name), differ)
     if saved.get("precision") != current["precision"]:
         differ.append(f"precision {saved.get('precision')} (checkpoint) vs "
                       f"{current['precision']} (this run; --bf16, --fp16 or neither)")
     if saved.get("seed") != current["seed"]:
         differ.append(_versus("--seed", saved.get("seed"), current["seed"]))
-    lines = []
+    lines = [schedule_note] if schedule_note else []
     if stated:
         lines.append(f"note: --load {root}: {name} was saved with " + "; ".join(stated) +
                      "; these settings do not change the results (bit for bit the same)")
@@ -700,6 +705,30 @@ def compare_run_settings(root: str, ckpt: str, args) -> List[str]:
         + ("; its delayed-scaling amax histories are not used (this run has no delayed "
            "scaling)" if dropped else ""))
     return lines
+
+
+def _iteration_of(ckpt_name: str) -> int:
+    found = re.fullmatch(r"iter_(\d+)", ckpt_name)
+    return int(found.group(1)) if found else 0
+
+
+def _compare_schedules(saved: dict, current: dict, trained: int,
+                       differ: List[str]) -> Optional[str]:
+    """A resume must have run its `trained` iterations in the phases this run's schedule gives
+    them (a difference in the checkpoint's past changes the numerics: added to `differ`); a
+    schedule that differs only later is this run's to choose: the note saying so."""
+    was = [schedule.Switch(*s) for s in saved.get("schedule") or []]
+    now = [schedule.Switch(*s) for s in current["schedule"]]
+    if was == now:
+        return None
+    shown = lambda switches: " ".join(f"{p}@{a}" for a, p in switches) or "none"  # noqa: E731
+    if schedule.history(was, trained) != schedule.history(now, trained):
+        differ.append(f"--quant-schedule {shown(was)} (checkpoint) vs {shown(now)} (this run; "
+                      f"the phases of iterations 1-{trained} differ)")
+        return None
+    return (f"note: the checkpoint's precision schedule ({shown(was)}, as iteration counts) "
+            f"agrees with this run's ({shown(now)}) on the {trained} iterations trained; this "
+            "run's is followed from here")
 
 
 def check_run_settings(root: str, found: Optional[Tuple[int, str]], args, log=print) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from megatron.quantization.config import (
     QuantConfig, QuantSettings, SettingError, add_arguments)
+from megatron.quantization import schedule
 from megatron.quantization.schemes import resolve
 from megatron.training.errors import ConfigError
 
@@ -68,4 +69,18 @@ def validate_quantization_args(args):
     try:
         args.quant_config = quant_config_from_args(args)
     except SettingError as exc:
+        raise ConfigError(str(exc)) from None
+    args.quant_schedule_switches = schedule_switches(args)
+
+
+def schedule_switches(args):
+    """--quant-schedule resolved against --train-iters (schedule.Switch list)."""
+    entries = args.quant_config.settings.recipe.schedule
+    if entries and not args.quant_config.enabled:
+        raise ConfigError(f"--quant-schedule {' '.join(entries)}: this run quantizes nothing "
+                          f"({args.quant_config.label}), so there is nothing to switch; give a "
+                          "scheme, recipe or recipe file")
+    try:
+        return schedule.resolve(entries, args.train_iters)
+    except ValueError as exc:
         raise ConfigError(str(exc)) from None

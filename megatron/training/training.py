@@ -30,6 +30,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from megatron.quantization import schedule
 from megatron.quantization.describe import describe_config, describe_sites
 from megatron.quantization.runtime import runtime_of
 from megatron.tensor_capture.callback import TensorCaptureCallback
@@ -533,6 +534,9 @@ def _pretrain(forward_step_func, args, callbacks, result: TrainResult, start_tim
     print_rank_0(f"{describe_config(args.quant_config, args.num_layers, args.params_dtype_name)}"
                  f"\n(scheme from {args.quant_config.source})")
     print_rank_0(describe_precision(args))
+    if args.quant_schedule_switches:
+        print_rank_0("precision schedule (--quant-schedule): " + schedule.describe(
+            args.quant_schedule_switches, args.train_iters))
     for line in [wandb_problem(args), *args.capture_warnings, *stats_interval_warnings(args)]:
         if line:
             print_rank_0(line)
@@ -685,6 +689,8 @@ def _train(forward_step_func, args, callbacks, result, start_time, tokenizer, dd
         while iteration < args.train_iters:
             # Stochastic-rounding draws are keyed by (seed, iteration, DP rank, site, ...).
             runtime.start_iteration(args.seed, iteration + 1, dp_rank)
+            _enter_phase(runtime, schedule.phase_at(args.quant_schedule_switches, iteration + 1),
+                         iteration + 1)
             for cb in callbacks:
                 cb.on_iteration_start(iteration + 1)
             micro_batch["index"] = 0
@@ -778,6 +784,15 @@ def _caused_by_memory(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _enter_phase(runtime, phase: str, iteration: int) -> None:
+    """Run iteration `iteration` in the precision schedule's `phase`, saying so when it is not
+    the phase the sites ran last (a switch, or a resume into a high-precision phase)."""
+    if phase != runtime.phase:
+        print_rank_0(f"[{_timestamp()}] --quant-schedule: from iteration {iteration}, {phase} "
+                     f"({schedule.PHASE_TEXT[phase]})")
+        runtime.phase = phase
 
 
 def _step_failure(exc: BaseException, iteration: int, args, checkpoint_iteration):

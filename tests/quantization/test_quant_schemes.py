@@ -283,7 +283,8 @@ NON_DEFAULT_RUNS = [
      "--fp8-attention-dp", "high_precision"],
     ["--quant-scheme", "linear_nvfp4", "--nvfp4-4over6", "weights", "--nvfp4-4over6-err-mode",
      "mse", "--nvfp4-4over6-e4m3-use-256", "none", "--nvfp4-row-scaled-activation",
-     "--mx-scale-mode", "even"],
+     "--mx-scale-mode", "even", "--quant-schedule", "high_precision_forward@0.8",
+     "quantized@95"],
 ]
 
 
@@ -329,6 +330,7 @@ def test_non_default_settings_round_trip():
     assert (b.kernels, b.weight_cache, b.attention.impl) == ("eager", False, "unfused")
     assert runs[1].recipe.recipe == "nvfp4" and runs[1].fp8.pow2_scale is True
     assert runs[2].recipe.recipe_file == "recipe.yaml" and runs[2].recipe.weight_2d is True
+    assert runs[4].recipe.schedule == ("high_precision_forward@0.8", "quantized@95")
     # Together the runs give every flag a non-default value.
     defaults = QuantSettings()
     for path, f in _flag_fields():
