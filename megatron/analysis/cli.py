@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "PATH is named after its file).")
     parser.add_argument("--loss-dir", nargs="+", default=[], metavar="DIR",
                         help="Directories whose log files / sub-directories are named by scheme "
-                             "(bf16.log, FA_linear_mxfp8/, ...), one run each.")
+                             "(bf16.log, FA_linear_mxfp8/, ...), one run each; a training log "
+                             "that records its run's label (its argument block's quant_config) "
+                             "is named by that label.")
     parser.add_argument("--loss-baseline", default="bf16", metavar="NAME",
                         help="Run the final-loss gaps are measured against (default: "
                              "%(default)s).")
@@ -62,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TensorBoard directories holding the quantization telemetry "
                              "training writes with --quant-stats-interval (quant/... scalars): "
                              "a --tensorboard-dir of one run, or a parent with one "
-                             "sub-directory per scheme (the demo's tensorboard/).")
+                             "sub-directory per scheme (the demo's tensorboard/). A run is "
+                             "named by the label of the training log that wrote it (given as "
+                             "a loss source), else by its directory; NAME=DIR names the run "
+                             "in DIR.")
     parser.add_argument("--study", default=None, metavar="STUDY_JSON",
                         help="A tools/study.py study.json: its table (final losses over seeds, "
                              "paired gaps with 95%% intervals, verdicts) and loss-curve figure "

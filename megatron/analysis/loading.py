@@ -10,7 +10,6 @@ megatron.tensor_capture.load (weights_only=True).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os

@@ -21,9 +21,11 @@ import logging
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from megatron.analysis import naming
 from megatron.analysis.events import event_files, is_event_file, read_scalars
 from megatron.analysis.intervals import mean_std
 
@@ -51,6 +53,20 @@ class LossCurve:
     train: Dict[int, float] = field(default_factory=dict)
     valid: Dict[int, float] = field(default_factory=dict)
     args: Dict[str, str] = field(default_factory=dict)    # the log's argument block
+    explicit: bool = False       # named by the user (--loss-logs NAME=PATH), never renamed
+
+    @property
+    def label(self) -> Optional[str]:
+        """The run's label as its log recorded it (`quant_config` of the argument block:
+        the scheme, `recipe_<name>`, ...), None when the log has none."""
+        value = (self.args.get("quant_config") or "").strip()
+        return value if value and " " not in value and value != "None" else None
+
+    @property
+    def tensorboard_dir(self) -> Optional[str]:
+        """The TensorBoard directory the run wrote (its argument block), None without."""
+        value = (self.args.get("tensorboard_dir") or "").strip()
+        return value if value and value != "None" else None
 
     def series(self, which: str = "train") -> Tuple[List[int], List[float]]:
         data = self.train if which == "train" else self.valid
@@ -148,18 +164,41 @@ def _is_capture_log(file_name: str) -> bool:
     return os.path.splitext(file_name)[0].endswith(CAPTURE_LOG_SUFFIX)
 
 
-def parse_spec(spec: str) -> Tuple[str, str]:
-    """`name=path` (or a bare path, named after its file or directory)."""
-    if "=" in spec and not os.path.exists(spec):
-        name, path = spec.split("=", 1)
-        return name.strip(), path.strip()
+def parse_spec(spec: str) -> Tuple[str, str, bool]:
+    """(name, path, whether the user named it): `name=path`, or a bare path named after its
+    file or directory."""
+    name, path = naming.split_named(spec)
+    if name is not None:
+        return name, path, True
     base = os.path.basename(spec.rstrip("/"))
-    return os.path.splitext(base)[0] if os.path.isfile(spec) else base, spec
+    return os.path.splitext(base)[0] if os.path.isfile(spec) else base, spec, False
+
+
+def name_by_label(curves: List[LossCurve]) -> None:
+    """Runs named after their files or directories take the label their log recorded (a
+    log `nvfp4.log` of a `--quant-recipe nvfp4` run is `recipe_nvfp4`, as its capture is),
+    unless two runs would then share a name: two runs recording one label (kept apart by
+    their file names), or a label that is the name of a run that keeps its name. Runs the
+    user named (NAME=PATH) keep their names."""
+    wanted = Counter(c.label for c in curves if not c.explicit and c.label)
+    renamed = {i for i, c in enumerate(curves) if not c.explicit and c.label
+               and c.label != c.name and wanted[c.label] == 1}
+    while True:     # a run that keeps its name can block another's rename, and so on
+        kept = {c.name for i, c in enumerate(curves) if i not in renamed}
+        blocked = {i for i in renamed if curves[i].label in kept}
+        if not blocked:
+            break
+        renamed -= blocked
+    for i in sorted(renamed):
+        log.info("loss curve %s: named %s, the label its log recorded", curves[i].name,
+                 curves[i].label)
+        curves[i].name = curves[i].label
 
 
 def load_curves(specs: List[str], directories: List[str], problems) -> List[LossCurve]:
-    """Every readable loss curve; unreadable or empty sources are reported, not fatal."""
-    pairs = [parse_spec(s) for s in specs]
+    """Every readable loss curve; unreadable or empty sources are reported, not fatal.
+    Curves are named by the label their logs recorded where the user gave no name."""
+    sources = [parse_spec(s) for s in specs]
     for directory in directories:
         if not os.path.isdir(directory):
             problems.add("missing_loss_source", f"loss directory {directory} does not exist")
@@ -167,9 +206,9 @@ def load_curves(specs: List[str], directories: List[str], problems) -> List[Loss
         found = sources_from_dir(directory)
         if not found:
             problems.add("missing_loss_source", f"no loss logs or event files in {directory}")
-        pairs.extend(found)
+        sources.extend((name, path, False) for name, path in found)
     curves = []
-    for name, path in pairs:
+    for name, path, explicit in sources:
         try:
             curve = read_source(name, path)
         except Exception as exc:
@@ -181,7 +220,9 @@ def load_curves(specs: List[str], directories: List[str], problems) -> List[Loss
             continue
         log.info("loss curve %s: %d training and %d validation points from %s", name,
                  len(curve.train), len(curve.valid), path)
+        curve.explicit = explicit
         curves.append(curve)
+    name_by_label(curves)
     return curves
 
 

@@ -19,10 +19,11 @@ from typing import List, Optional
 
 from megatron.analysis import losses as loss_mod
 from megatron.analysis import study as study_mod
-from megatron.analysis import (plots, provenance, report, statistics, tables, telemetry,
-                               telemetry_plots, textreport)
+from megatron.analysis import (explain, glance, naming, plots, provenance, report, statistics,
+                               tables, telemetry, telemetry_plots, textreport)
 from megatron.analysis.comparison import common_tensors
 from megatron.analysis.loading import Problems, read_captures
+from megatron.analysis.ranges import format_ranges
 from megatron.analysis.workers import BatchResult, run_batches
 
 log = logging.getLogger("megatron.analysis")
@@ -59,18 +60,23 @@ class AnalysisResult:
     problems: Problems
 
 
-def _telemetry(directories: List[str], quant_schemes: Optional[List[str]], problems: Problems):
-    """The quantization telemetry of the --tensorboard-dir directories (None without any)."""
+def _telemetry(directories: List[str], quant_schemes: Optional[List[str]], problems: Problems,
+               names: Optional[dict] = None):
+    """The quantization telemetry of the --tensorboard-dir directories (None without any);
+    `names` {run directory: label} names runs by their training logs' labels."""
     if not directories:
         return None
-    for directory in directories:
+    present = []
+    for spec in directories:
+        directory = naming.split_named(spec)[1]
         if not os.path.exists(directory):
             problems.add("missing_telemetry_source", f"TensorBoard directory {directory} does "
                                                      "not exist")
-    present = [d for d in directories if os.path.exists(d)]
+        else:
+            present.append(spec)
     if not present:
         return None
-    frame = telemetry.load_stats_frame(present, schemes=quant_schemes)
+    frame = telemetry.load_stats_frame(present, schemes=quant_schemes, names=names)
     if frame.empty:
         problems.add("empty_telemetry_source",
                      f"no quantization telemetry (quant/... scalars) in {', '.join(present)}; "
@@ -81,6 +87,20 @@ def _telemetry(directories: List[str], quant_schemes: Optional[List[str]], probl
                                           f"quant/<site>/<gemm>.<operand>/<metric> and are left "
                                           f"out, e.g. {tags[0]!r}")
     return frame
+
+
+def _unmatched_names(captures, curves, frame, problems: Problems) -> None:
+    """One problem line per telemetry or loss run whose name matches no capture while a
+    capture has no such run: one run under two names (naming.py)."""
+    captured = {c.quant_scheme for c in captures if c.entries}
+    if frame is not None and not frame.empty:
+        for line in naming.unmatched("telemetry", frame.attrs["runs"],
+                                     captured | {c.name for c in curves}, "--tensorboard-dir"):
+            problems.add(naming.UNMATCHED, line)
+    if captured:
+        runs = [(c.name, c.source) for c in curves if not c.explicit]
+        for line in naming.unmatched("loss", runs, captured, "--loss-logs"):
+            problems.add(naming.UNMATCHED, line)
 
 
 def _wanted(label: str, wanted: List[str]) -> bool:
@@ -132,6 +152,35 @@ def _study_figure(study_json: str, figure_dir: str) -> Optional[dict]:
                        "(tools/study.py)."}
 
 
+def mx_scale_modes(entries) -> dict:
+    """{scheme: 'floor' | 'rceil' | 'floor, rceil'}: the MX scale rule of each scheme's MX
+    records (the explanation of MX saturation depends on it)."""
+    modes: dict = {}
+    for entry in entries:
+        fmt = entry.metadata.get("format")
+        if fmt and fmt != "none" and format_ranges(fmt).kind == "mx":
+            modes.setdefault(entry.quant_scheme, set()).add(
+                str(entry.metadata.get("scale_mode") or "floor"))
+    return {scheme: ", ".join(sorted(found)) for scheme, found in sorted(modes.items())}
+
+
+def _first_screen(doc: dict, figure_dir: Optional[str], problems: Problems) -> None:
+    """What the report opens with, added to `doc`: the per-layer picture (drawn from the
+    document, so after it is built; not without figures), the explanations of the alarming
+    numbers and the summary table."""
+    if figure_dir:
+        picture = plots.drawn_or_problem(lambda: glance.draw(doc, figure_dir), "layer_overview")
+        if picture and "problem" in picture:
+            problems.add("figure_failed", picture["problem"])
+            doc["problems"] = list(problems.items)
+        elif picture:
+            doc["figures"].insert(0, picture)
+            doc["outputs"].append(f"figures/{picture['file']}")
+    doc["explanations"] = explain.explanations(doc)
+    summary = tables.summary_table(doc)
+    doc[tables.SUMMARY_KEY] = tables.explained(summary, doc).as_json() if summary else None
+
+
 def analyze(options: Options) -> AnalysisResult:
     t_start = time.perf_counter()
     problems = Problems()
@@ -149,7 +198,9 @@ def analyze(options: Options) -> AnalysisResult:
     t_summary = time.perf_counter()
 
     curves = loss_mod.load_curves(options.loss_logs, options.loss_dirs, problems)
-    telemetry_frame = _telemetry(options.tensorboard_dirs, options.quant_schemes, problems)
+    telemetry_frame = _telemetry(options.tensorboard_dirs, options.quant_schemes, problems,
+                                 naming.telemetry_names(curves))
+    _unmatched_names(captures, curves, telemetry_frame, problems)
     has_telemetry = telemetry_frame is not None and not telemetry_frame.empty
     study_doc = study_mod.load_study(options.study) if options.study else None
     if not result.groups and not curves and not has_telemetry and not study_doc:
@@ -226,8 +277,8 @@ def analyze(options: Options) -> AnalysisResult:
                            common=common)
     if study_doc:
         doc["study"] = study_doc
-    summary = tables.summary_table(doc)
-    doc[tables.SUMMARY_KEY] = summary.as_json() if summary else None
+    doc["mx_scale_modes"] = mx_scale_modes(selected)
+    _first_screen(doc, figure_dir if options.figures else None, problems)
     statistics.write_json(os.path.join(outdir, "statistics.json"), doc)
     with open(os.path.join(outdir, "statistics.txt"), "w", encoding="utf-8") as f:
         f.write(textreport.render(doc))

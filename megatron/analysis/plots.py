@@ -36,6 +36,7 @@ from megatron.analysis.comparison import Common, common_tensors, tensor_id  # no
 from megatron.analysis.hifp8 import (  # noqa: E402
     SIDED_REGIONS, TENSOR, UNSCALED, cast_views, run_scaled, scheme_scalings,
     sided_counts_from_hist, zones_log2)
+from megatron.analysis.naming import layer_label  # noqa: E402
 from megatron.analysis.ranges import format_ranges, known_formats  # noqa: E402
 from megatron.analysis.statistics import merge_by, tensor_class  # noqa: E402
 from megatron.analysis.workers import GroupKey  # noqa: E402
@@ -278,15 +279,18 @@ def value_distributions(groups: Dict[GroupKey, Stats], outdir: str, colors) -> O
                "scale). MX panels are in the element domain (|x| divided by the block's "
                "shared scale), where grey marks values flushed to zero, yellow the element "
                "subnormals and red the saturated values; ")
+    kinds = {format_ranges(fmt).kind for fmt in fmts}
     if hifp8_scaled:
         caption += ("the HiF8 panel shows the operands as HiF8's grid saw them, each record "
                     "times its per-tensor scale 2^k (--hifp8-scaling tensor), shaded by "
                     "mantissa width of the tapered format; ")
-    else:
+    elif "hifp8" in kinds:
         caption += ("HiF8 panels are absolute (no per-tensor scaling in these runs), shaded "
                     "by mantissa width of the tapered format; ")
-    caption += ("NVFP4 and FP8 panels are absolute too (their scales are in the NVFP4 "
-                "block-scale figure and the scales table).")
+    if kinds & {"nvfp4", "fp8"}:
+        caption += ("NVFP4 and FP8 panels are absolute (their scales are in the NVFP4 "
+                    "block-scale figure and the scales table).")
+    caption = caption.rstrip("; ") + "."
     return {"file": save_figure(fig, outdir, "value_distributions.png"),
             "title": "Value distributions per format", "caption": caption}
 
@@ -301,7 +305,8 @@ def absolute_distributions(groups, outdir: str, colors,
     if not present:
         return None
     scalings = scheme_scalings(groups) if hifp8_scalings is None else hifp8_scalings
-    shade = UNSCALED in cast_views(scalings)
+    # HiF8's regions only where a run used HiF8, and only without per-tensor scaling.
+    shade = bool(scalings) and UNSCALED in cast_views(scalings)
     span = _nonzero_span([s.hist for s in merged.values()]) or (-30, 20)
     xlim = (max(span[0], -60), min(max(span[1], 0), 130))
     fig, axes = plt.subplots(len(present), 1, figsize=(COLUMN_IN, 1.9 + 2.7 * len(present)),
@@ -330,12 +335,13 @@ def absolute_distributions(groups, outdir: str, colors,
     fig.legend(handles=list(handles.values()) + styles + zone_handles,
                loc="outside lower center", ncol=4, frameon=False,
                title="background: HiF8 regions (unscaled)" if shade else None)
+    title = "Magnitudes of the tensors every scheme captured"
+    background = ""                 # without HiF8 runs, nothing to say about HiF8
     if shade:
-        title = "Magnitudes of the tensors every scheme captured (background: HiF8 regions)"
+        title += " (background: HiF8 regions)"
         background = ("The background (legend below) shows where HiF8 without scaling "
                       "keeps 3, 2 or 1 mantissa bits.")
-    else:
-        title = "Magnitudes of the tensors every scheme captured"
+    elif scalings:
         background = ("No HiF8 regions are shaded: the HiF8 runs scaled each operand by its "
                       "own 2^k (--hifp8-scaling tensor), which moves the regions with the "
                       "tensor's amax; the HiF8 precision regions figure reads the values as "
@@ -392,15 +398,19 @@ def _cells_fit(texts, cell_pt) -> bool:
             and HEAT_FONT_PT * 1.3 <= cell_pt[1])
 
 
-def _ink(rgba) -> str:
+def ink(rgba) -> str:
     """Black or white text, whichever reads on a cell of this colour."""
     r, g, b = rgba[:3]
     return "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"
 
 
+def short_module(module: str) -> str:
+    """A module name short enough for a heat-map label: `linear_fc1` -> `fc1`."""
+    return module.replace("linear_", "").replace("core_attention", "attn")
+
+
 def _column_label(module: str, tensor: str) -> str:
-    module = module.replace("linear_", "").replace("core_attention", "attn")
-    return f"{module}: {tensor}"
+    return f"{short_module(module)}: {tensor}"
 
 
 def _heat_grid(groups, quant_scheme: str):
@@ -469,7 +479,7 @@ def error_heatmap(groups, outdir: str, quant_scheme: str,
                        interpolation="nearest")
         fig.colorbar(im, ax=ax, label=label, pad=0.01, fraction=0.04)
         ax.set_yticks(range(len(layers)),     # rows are tall enough for every label
-                      ["output" if layer == 0 else f"L{layer}" for layer in layers])
+                      [layer_label(layer) for layer in layers])
         ax.set_ylabel("layer")
         ax.set_title(label)
         if 0 < split < len(columns):
@@ -480,7 +490,7 @@ def error_heatmap(groups, outdir: str, quant_scheme: str,
                 for j in range(data.shape[1]):
                     if texts[i][j]:
                         ax.text(j, i, texts[i][j], ha="center", va="center",
-                                fontsize=HEAT_FONT_PT, color=_ink(im.cmap(im.norm(data[i, j]))))
+                                fontsize=HEAT_FONT_PT, color=ink(im.cmap(im.norm(data[i, j]))))
     axes[-1].set_xticks(range(len(columns)),
                         [f"{_label(op)} · {_column_label(m, t)}" for op, m, t in columns],
                         rotation=60, ha="right", fontsize=SMALL_PT)
@@ -670,6 +680,8 @@ def hifp8_regions(groups, outdir: str,
                       lambda k: not hif8_ids or tensor_id(k) in hif8_ids)
     merged = {k: v for k, v in merged.items() if v.hist is not None and v.hist.any()}
     hif8_schemes = sorted({k[0] for k in merged if k[3]})
+    if not hif8_schemes:
+        return None             # no run used HiF8: its regions would answer nothing asked
     others = sorted({k[0] for k in merged if not k[3]} - set(hif8_schemes))
     reference = "bf16" if "bf16" in others else (others[0] if others else None)
     rows = []
@@ -842,14 +854,17 @@ def layer_absmax(groups, outdir: str, colors,
     fig.legend(handles=list(handles.values()), loc="outside lower center",
                ncol=min(len(handles), 4), frameon=False)
     fig.suptitle("Largest magnitude per layer")
-    hifp8 = ("with per-tensor HiF8 scaling (--hifp8-scaling tensor) they lower the tensor's "
-             "scale 2^k and push its small values toward HiF8's 1-bit and denormal binades"
-             if run_scaled(scalings) else "they push HiF8 values into its 1-bit-mantissa "
-             "binades")
+    hifp8 = ""                      # without HiF8 runs, nothing to say about HiF8
+    if run_scaled(scalings):
+        hifp8 = ("; with per-tensor HiF8 scaling (--hifp8-scaling tensor) they lower the "
+                 "tensor's scale 2^k and push its small values toward HiF8's 1-bit and "
+                 "denormal binades")
+    elif scalings:
+        hifp8 = "; they push HiF8 values into its 1-bit-mantissa binades"
     return {"file": save_figure(fig, outdir, "layer_absmax.png"),
             "title": "Largest magnitude per layer",
             "caption": "Maximum |x| over all captured iterations and micro-batches, per layer "
-                       "and tensor class: growing outliers are what saturates MX blocks; "
+                       "and tensor class: growing outliers are what saturates MX blocks"
                        f"{hifp8}."}
 
 

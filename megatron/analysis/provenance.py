@@ -18,10 +18,17 @@ NOT_RECORDED = "not recorded by the runs"
 
 
 def _text(value) -> Optional[str]:
-    """Values from run files (JSON) and logs (text) in one spelling."""
+    """Values from run files (JSON) and logs (text) in one spelling: an empty list or tuple
+    (`[]` in a run file, `()` in a log's argument block) is no value, and a sequence reads
+    the same from both."""
     if value is None or value == "None":
         return None
-    return str(value)
+    if isinstance(value, (list, tuple)):
+        value = "[" + ", ".join(str(v) for v in value) + "]"
+    text = str(value)
+    if text.startswith("(") and text.endswith(")"):
+        text = "[" + text[1:-1].rstrip(",") + "]"
+    return None if text in ("[]", "") else text
 
 
 def _model(args) -> Optional[str]:

@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from megatron.analysis import naming
 from megatron.analysis.accumulators import Stats, sqnr_db
 from megatron.analysis.binning import E_MAX, E_MIN, NBINS, SUB, bin_edges_log2
 from megatron.analysis.comparison import common_tensors, comparison_section
@@ -85,10 +86,13 @@ def _metrics_map(merged) -> Dict[str, dict]:
     return {str(label): stats.metrics() for label, stats in merged.items()}
 
 
+def _is_quantized(key: GroupKey) -> bool:
+    return key.format != "none"
+
+
 def quant_scheme_section(groups: Dict[GroupKey, Stats], quant_scheme: str) -> dict:
     """Aggregates of one scheme at the levels researchers compare."""
     mine = {k: v for k, v in groups.items() if k.quant_scheme == quant_scheme}
-    quantized = lambda k: k.format != "none"  # noqa: E731
     overall = merge_by(mine, lambda k: "all")
     section = {
         "overall": overall["all"].metrics() if overall else None,
@@ -98,41 +102,88 @@ def quant_scheme_section(groups: Dict[GroupKey, Stats], quant_scheme: str) -> di
         "by_tensor_class": _metrics_map(merge_by(mine, lambda k: tensor_class(k.tensor_name))),
         "by_tensor": _metrics_map(merge_by(mine, lambda k: k.tensor_name)),
         "by_layer": _metrics_map(merge_by(mine, lambda k: k.layer)),
-        "quantized_by_gemm": _metrics_map(merge_by(mine, lambda k: k.gemm, quantized)),
-        "quantized_by_operation": _metrics_map(merge_by(mine, lambda k: k.operation, quantized)),
+        "quantized_by_gemm": _metrics_map(merge_by(mine, lambda k: k.gemm, _is_quantized)),
+        "quantized_by_operation": _metrics_map(merge_by(mine, lambda k: k.operation,
+                                                         _is_quantized)),
     }
-    q_all = merge_by(mine, lambda k: "all", quantized)
+    q_all = merge_by(mine, lambda k: "all", _is_quantized)
     if q_all:
         section["quantized"] = q_all["all"].metrics()
     section["quantized_sites"] = quantized_sites(mine)
+    section["quantized_layers"] = quantized_layers(mine)
     return section
 
 
 def site_label(layer: int, module: str, tensor_name: str) -> str:
-    """A quantized operand's site as the report names it: `L2.linear_fc1 grad_output`."""
-    return f"L{layer}.{module} {tensor_name}"
+    """A quantized operand's site as the report names it: `L2.linear_fc1 grad_output`
+    (`output_layer input` for the output layer, whose layer number 0 must not read as the
+    first transformer layer)."""
+    if layer == naming.OUTPUT_LAYER:
+        return f"{module} {tensor_name}"
+    return f"{naming.layer_label(layer)}.{module} {tensor_name}"
 
 
-def quantized_sites(groups: Dict[GroupKey, Stats]) -> Optional[dict]:
+def _site(key: GroupKey) -> tuple:
+    return key.layer, key.module, key.tensor_name
+
+
+def _site_rows(groups: Dict[GroupKey, Stats]) -> List[dict]:
     """The quantized operands of `groups` per site (layer, module, tensor name; every captured
-    iteration, micro-batch and rank together): how many have an SQNR, its median over them,
-    and the worst site: the lowest SQNR, i.e. the highest relative error sqrt(e2 / x2)."""
-    merged = merge_by(groups, lambda k: (k.layer, k.module, k.tensor_name),
-                      lambda k: k.format != "none")
-    sites = []
+    iteration, micro-batch and rank together) with their formats, SQNR and shares."""
+    merged = merge_by(groups, _site, _is_quantized)
+    formats: Dict[tuple, set] = {}
+    for key in filter(_is_quantized, groups):
+        formats.setdefault(_site(key), set()).add(key.format)
+    rows = []
     for (layer, module, name), stats in merged.items():
         value = sqnr_db(stats.x2, stats.e2) if stats.quantized else None
         if value is None or math.isnan(value):
             continue
-        rel = math.sqrt(stats.e2 / stats.x2) if stats.x2 > 0 else None
-        sites.append((value, layer, module, name, rel))
+        quant = stats.metrics()["quantization"] or {}
+        rows.append({"site": site_label(layer, module, name), "layer": layer, "module": module,
+                     "tensor_name": name,
+                     "format": ", ".join(sorted(formats[(layer, module, name)])),
+                     "sqnr_db": value,
+                     "relative_error": math.sqrt(stats.e2 / stats.x2) if stats.x2 > 0 else None,
+                     "saturated_fraction": quant.get("saturated_fraction"),
+                     "flushed_fraction": quant.get("flushed_fraction")})
+    return rows
+
+
+def _largest(rows: List[dict], key: str) -> Optional[dict]:
+    """The row with the largest nonzero `key` (None when no row has one)."""
+    found = [r for r in rows if r.get(key)]
+    return dict(max(found, key=lambda r: r[key])) if found else None
+
+
+def quantized_sites(groups: Dict[GroupKey, Stats]) -> Optional[dict]:
+    """The quantized operands of `groups` per site: how many have an SQNR, its median over
+    them, the worst site (the lowest SQNR, i.e. the highest relative error sqrt(e2 / x2)) and
+    the sites with the largest saturated and flushed shares (null when none has any)."""
+    sites = _site_rows(groups)
     if not sites:
         return None
-    value, layer, module, name, rel = min(sites, key=lambda site: site[0])
-    return {"sites": len(sites), "median_sqnr_db": float(np.median([s[0] for s in sites])),
-            "worst": {"site": site_label(layer, module, name), "layer": layer,
-                      "module": module, "tensor_name": name, "sqnr_db": value,
-                      "relative_error": rel}}
+    return {"sites": len(sites),
+            "median_sqnr_db": float(np.median([s["sqnr_db"] for s in sites])),
+            "worst": dict(min(sites, key=lambda site: site["sqnr_db"])),
+            "most_saturated": _largest(sites, "saturated_fraction"),
+            "most_flushed": _largest(sites, "flushed_fraction")}
+
+
+def quantized_layers(groups: Dict[GroupKey, Stats]) -> List[dict]:
+    """Per layer (transformer layers in order, the output layer last), the SQNR pooled over
+    its quantized operands and its worst operand: the per-layer picture of one scheme."""
+    by_layer: Dict[int, List[dict]] = {}
+    for site in _site_rows(groups):
+        by_layer.setdefault(site["layer"], []).append(site)
+    pooled = merge_by(groups, lambda k: k.layer, _is_quantized)
+    rows = []
+    for layer in sorted(by_layer, key=naming.layer_order):
+        stats = pooled[layer]
+        rows.append({"layer": layer, "label": naming.layer_label(layer),
+                     "sqnr_db": sqnr_db(stats.x2, stats.e2) if stats.quantized else None,
+                     "worst": min(by_layer[layer], key=lambda site: site["sqnr_db"])})
+    return rows
 
 
 def histogram_entries(groups: Dict[GroupKey, Stats]) -> List[dict]:

@@ -117,7 +117,8 @@ def markdown_table(study: dict) -> str:
 
 def describe_budget(study: dict) -> str:
     b = study["budget"]
-    return (f"{b['model']}, {b['train_iters']} iterations x {b['tokens'] // max(1, b['train_iters']):,}"
+    per_iteration = b["tokens"] // max(1, b["train_iters"])
+    return (f"{b['model']}, {b['train_iters']} iterations x {per_iteration:,}"
             f" tokens = {b['tokens']:,} tokens per run, tokenizer {b['tokenizer']}")
 
 

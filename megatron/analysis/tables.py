@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from megatron.analysis import provenance, study
 from megatron.analysis.hifp8 import TENSOR, cast_views
+from megatron.analysis.naming import display_site
 from megatron.analysis.statistics import OUTPUT_SCHEME_KEY, OUTPUT_SCHEMES_KEY
 
 Cell = Tuple[object, str]       # (value, kind): kind "text", "int", "pct", "pct100", "db", "g"
@@ -29,6 +30,8 @@ class Table:
     rows: List[List[Cell]]
     notes: List[str] = field(default_factory=list)
     missing: str = "-"     # how a missing value (None) is shown
+    # What the alarming numbers of this table mean (megatron.analysis.explain), shown with it.
+    explanations: List[str] = field(default_factory=list)
 
     def cells(self) -> List[List[str]]:
         """The rows as plain text."""
@@ -39,7 +42,7 @@ class Table:
         """The table with its raw values (null where missing), for statistics.json."""
         return {"key": self.key, "title": self.title, "headers": list(self.headers),
                 "rows": [[value for value, _ in row] for row in self.rows],
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "explanations": list(self.explanations)}
 
 
 def fmt(value, kind: str = "g") -> str:
@@ -158,7 +161,10 @@ def tensor_tables(doc: dict) -> List[Table]:
 def hifp8_table(doc: dict) -> Optional[Table]:
     """HiF8 regions per scheme and tensor class, read with the run's HiF8 scaling: the HiF8
     operands as the grid saw them, and, when the HiF8 runs scaled per tensor, the other
-    schemes' tensors as HiF8 would see them with the same rule, besides the unscaled values."""
+    schemes' tensors as HiF8 would see them with the same rule, besides the unscaled values.
+    None when no run used HiF8 (the regions describe HiF8's grid)."""
+    if not doc.get("hifp8_scaling"):
+        return None
     rows = []
     scaled_any = cast_scaled = False
     scaled_run = TENSOR in cast_views(doc.get("hifp8_scaling") or {})
@@ -274,14 +280,15 @@ def _where(item: Optional[dict], with_step: bool = True) -> Optional[str]:
     if not item or item.get("site") is None:
         return None
     step = f", it {item['step']}" if with_step else ""
-    return f"{item['site']} {item['operand']}{step}"
+    return f"{display_site(item['site'])} {item['operand']}{step}"
 
 
 def _nonfinite(scheme: dict) -> str:
     item = scheme.get("nonfinite")
     if not item:
         return "none"
-    return (f"{item['operands']} operand(s), first {item['site']} {item['operand']} at it "
+    return (f"{item['operands']} operand(s), first {display_site(item['site'])} "
+            f"{item['operand']} at it "
             f"{item['first_step']}")
 
 
@@ -405,11 +412,19 @@ def summary_table(doc: dict) -> Optional[Table]:
                  rows, notes, missing=DASH)
 
 
+def explained(table: Table, doc: dict) -> Table:
+    """`table` with the explanations of the alarming numbers it shows (doc["explanations"],
+    megatron.analysis.explain)."""
+    table.explanations = list((doc.get("explanations") or {}).get(table.key, []))
+    return table
+
+
 def all_tables(doc: dict) -> List[Table]:
-    """Every table in report order (the summary first)."""
+    """Every table in report order (the summary first), each with the explanations of the
+    alarming numbers it shows."""
     tables: Sequence[Optional[Table]] = (
         [summary_table(doc), run_table(doc), study_table(doc), captures_table(doc),
          format_table(doc)]
         + tensor_tables(doc)
         + [scales_table(doc), hifp8_table(doc), loss_table(doc), telemetry_table(doc)])
-    return [t for t in tables if t is not None]
+    return [explained(t, doc) for t in tables if t is not None]

@@ -17,7 +17,8 @@ that held NaN/Inf carries `nonfinite` = 1 (and amax) instead.
 
 Event files sit in `{tensorboard_dir}` itself or in one sub-directory per scheme
 (`tensorboard/{scheme}/`, as the demo writes them): the scheme is the sub-directory's name, or
-the directory's own name when the files sit directly in it.
+the directory's own name when the files sit directly in it, unless the user names the run
+(`NAME=DIR`) or a training log names it by the label it recorded (megatron.analysis.naming).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from megatron.analysis import naming
 from megatron.analysis.events import event_files, read_scalars
 
 QUANT_PREFIX = "quant/"
@@ -59,23 +61,24 @@ def parse_tag(tag: str) -> Optional[Tuple]:
     return (site, int(match.group("layer")), match.group("module"), gemm, operand, metric)
 
 
-def scheme_sources(tensorboard_dir: str) -> List[Tuple[str, List[str]]]:
-    """(scheme, event files) found under one TensorBoard directory."""
+def scheme_directories(tensorboard_dir: str) -> List[Tuple[str, str, List[str]]]:
+    """(scheme, run directory, event files) found under one TensorBoard directory."""
     root = os.path.abspath(tensorboard_dir)
     if os.path.isfile(root):
-        return [(os.path.basename(os.path.dirname(root)), event_files(root))]
+        return [(os.path.basename(os.path.dirname(root)), os.path.dirname(root),
+                 event_files(root))]
     if not os.path.isdir(root):
         return []
     out = []
     direct = [f for f in event_files(root) if os.path.dirname(f) == root]
     if direct:
-        out.append((os.path.basename(root), direct))
+        out.append((os.path.basename(root), root, direct))
     for entry in sorted(os.listdir(root)):
         path = os.path.join(root, entry)
         if os.path.isdir(path):
             files = event_files(path)
             if files:
-                out.append((entry, files))
+                out.append((entry, path, files))
     return out
 
 
@@ -85,27 +88,46 @@ def _as_list(dirs: Dirs) -> List[str]:
     return [os.fspath(d) for d in dirs]
 
 
-def _selected(dirs: Dirs, schemes: Optional[Iterable[str]]):
+def run_directories(dirs: Dirs) -> List[Tuple[str, str, List[str]]]:
+    """(scheme, run directory, event files) of each run under the --tensorboard-dir values:
+    the scheme is the user's NAME of `NAME=DIR`, else the run directory's name."""
+    out = []
+    for spec in _as_list(dirs):
+        name, directory = naming.split_named(spec)
+        for scheme, where, files in scheme_directories(directory):
+            out.append((name or scheme, where, files))
+    return out
+
+
+def _selected(dirs: Dirs, schemes: Optional[Iterable[str]],
+              names: Optional[Dict[str, str]] = None):
+    """(scheme, run directory, files) per run; `names` {run directory (real path): label}
+    renames runs."""
     wanted = None if schemes is None else set(schemes)
-    for directory in _as_list(dirs):
-        for scheme, files in scheme_sources(directory):
-            if wanted is None or scheme in wanted:
-                yield scheme, files
+    names = names or {}
+    for scheme, where, files in run_directories(dirs):
+        scheme = names.get(os.path.realpath(where), scheme)
+        if wanted is None or scheme in wanted:
+            yield scheme, where, files
 
 
 def load_stats_frame(tensorboard_dir: Dirs, schemes: Optional[Iterable[str]] = None,
-                     metrics: Optional[Iterable[str]] = None):
+                     metrics: Optional[Iterable[str]] = None,
+                     names: Optional[Dict[str, str]] = None):
     """The quant telemetry as a long DataFrame: one row per (scheme, step, site, gemm,
     operand, metric) with its value. `layer`, `module`, `gemm` and `operand` are missing
     (<NA> / None) for the `worst` site. Tags under `quant/` that do not follow the contract
     are listed in `frame.attrs["unparsed_tags"]`; other tags are left out (see
-    `load_scalars_frame`)."""
+    `load_scalars_frame`). A value `NAME=DIR` names the run in DIR; `names` {run directory:
+    label} renames runs (the labels their training logs recorded). `frame.attrs["runs"]`
+    lists the [scheme, run directory] of each run that contributed rows."""
     import pandas as pd
 
     wanted = None if metrics is None else set(metrics)
-    rows, unparsed = [], set()
-    for scheme, files in _selected(tensorboard_dir, schemes):
+    rows, unparsed, runs = [], set(), []
+    for scheme, where, files in _selected(tensorboard_dir, schemes, names):
         scalars = read_scalars(files, lambda tag: tag.startswith(QUANT_PREFIX))
+        before = len(rows)
         for tag, series in scalars.items():
             parsed = parse_tag(tag)
             if parsed is None:
@@ -114,6 +136,8 @@ def load_stats_frame(tensorboard_dir: Dirs, schemes: Optional[Iterable[str]] = N
             if wanted is not None and parsed[-1] not in wanted:
                 continue
             rows.extend((scheme, step) + parsed + (value,) for step, value in series.items())
+        if len(rows) > before:
+            runs.append([scheme, where])
     frame = pd.DataFrame.from_records(rows, columns=list(FRAME_COLUMNS))
     frame["step"] = frame["step"].astype("int64")
     frame["layer"] = frame["layer"].astype("Int64")
@@ -121,6 +145,7 @@ def load_stats_frame(tensorboard_dir: Dirs, schemes: Optional[Iterable[str]] = N
     frame = frame.sort_values(["scheme", "site", "gemm", "operand", "metric", "step"],
                               na_position="first", kind="stable").reset_index(drop=True)
     frame.attrs["unparsed_tags"] = sorted(unparsed)
+    frame.attrs["runs"] = runs
     return frame
 
 
@@ -130,7 +155,7 @@ def load_scalars_frame(tensorboard_dir: Dirs, schemes: Optional[Iterable[str]] =
     import pandas as pd
 
     rows = []
-    for scheme, files in _selected(tensorboard_dir, schemes):
+    for scheme, _, files in _selected(tensorboard_dir, schemes):
         scalars = read_scalars(files, lambda tag: not tag.startswith(QUANT_PREFIX))
         for tag, series in scalars.items():
             rows.extend((scheme, step, tag, value) for step, value in series.items())
@@ -172,6 +197,24 @@ def _nonfinite(rows) -> Optional[dict]:
             "site": first["site"], "operand": f"{first['gemm']}.{first['operand']}"}
 
 
+def _layers_at(rows) -> List[dict]:
+    """Per layer (the output layer last), the operand with the lowest SQNR among `rows`."""
+    sqnr = rows[rows["metric"] == "sqnr_db"]
+    if sqnr.empty:          # an unquantized scheme (and an empty mask would select columns)
+        return []
+    sqnr = sqnr[sqnr["value"].map(math.isfinite).astype(bool)]
+    out = []
+    for layer in sorted({int(n) for n in sqnr["layer"].dropna()}, key=naming.layer_order):
+        mine = sqnr[sqnr["layer"] == layer]
+        worst = mine.loc[mine["value"].idxmin()]
+        operand = f"{worst['gemm']}.{worst['operand']}"
+        out.append({"layer": layer, "label": naming.layer_label(layer),
+                    "worst": {"site": f"{naming.display_site(worst['site'])} {operand}",
+                              "module": worst["module"], "tensor_name": operand,
+                              "sqnr_db": float(worst["value"])}})
+    return out
+
+
 def summary(frame, sources: List[str]) -> dict:
     """statistics.json `telemetry`: per scheme, the steps covered and the worst operands."""
     sites = site_operands(frame)
@@ -197,6 +240,8 @@ def summary(frame, sources: List[str]) -> dict:
             "max_block_scale_zero_pct": _worst(rows, "block_scale_zero_pct", largest=True),
             "max_block_scale_subnormal_pct": _worst(rows, "block_scale_subnormal_pct",
                                                     largest=True),
+            # the per-layer picture when there is no capture: worst operand per layer
+            "layers_at_last_step": _layers_at(at_last),
         }
     return {"sources": list(sources), "schemes": schemes,
             "unparsed_tags": list(frame.attrs.get("unparsed_tags", []))}

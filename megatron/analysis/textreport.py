@@ -39,6 +39,11 @@ def render(doc: dict) -> str:
         else:
             out.append(table(item.headers, item.cells()))
         out.append("")
+        if item.explanations:        # what the alarming numbers above mean
+            out.append("What the alarming numbers mean:")
+            out += [textwrap.fill(text, 100, initial_indent="- ", subsequent_indent="  ")
+                    for text in item.explanations]
+            out.append("")
     cons = doc.get("consistency") or {}
     if cons:
         out += ["== Capture self-consistency ==",

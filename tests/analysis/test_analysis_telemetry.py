@@ -157,7 +157,13 @@ def test_report_from_telemetry_alone(tensorboard, tmp_path):
     assert set(doc["telemetry"]["schemes"]) == set(SCHEMES)
     assert [p["kind"] for p in doc["problems"]] == ["bad_telemetry_tag"]
     files = [f["file"] for f in doc["figures"]]
-    assert files == ["telemetry_over_iterations.png", "telemetry_layers.png"]
+    # the per-layer picture of the first screen, from the telemetry's last iteration
+    assert files == ["layer_overview.png", "telemetry_over_iterations.png",
+                     "telemetry_layers.png"]
+    assert [f["file"] for f in doc["figures"] if f.get("glance")] == ["layer_overview.png"]
+    assert "last logged iteration" in doc["figures"][0]["caption"]
+    layers = doc["telemetry"]["schemes"]["FA_linear_mxfp8"]["layers_at_last_step"]
+    assert [row["label"] for row in layers] == ["L1", "L2", "L3", "output"]
     assert all(os.path.getsize(out / "figures" / f) > 0 for f in files)
     assert not (out / "records.csv").exists() and "records.csv" not in doc["outputs"]
     text = (out / "statistics.txt").read_text()
