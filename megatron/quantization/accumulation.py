@@ -27,8 +27,6 @@ elementwise passes, slow next to a hardware GEMM but exact, and only for the GEM
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 __all__ = ["limited_precision_matmul", "check_accumulation"]
@@ -47,25 +45,18 @@ def check_accumulation(mantissa_bits: int, group: int, promotion: int) -> None:
                          f"group ({group})")
 
 
-def _floor_log2(x: torch.Tensor) -> torch.Tensor:
-    """floor(log2 |x|) of float64 values, exactly (from frexp); -inf for 0."""
-    _, exponent = torch.frexp(x)
-    return torch.where(x == 0, -math.inf, (exponent - 1).double())
-
-
-def _truncate(x: torch.Tensor, exponent: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
-    """x truncated toward zero to a multiple of 2**(exponent - mantissa_bits) (exact)."""
-    step = torch.exp2(exponent - mantissa_bits)
-    return torch.where(torch.isfinite(exponent), torch.trunc(x / step) * step,
-                       torch.zeros_like(x))
-
-
 def _add(partial: torch.Tensor, group_sum: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
-    """Step 2: the aligned, truncated addition of a group's sum to the partial sum."""
-    aligned = torch.maximum(_floor_log2(partial), _floor_log2(group_sum))
-    total = (_truncate(partial, aligned, mantissa_bits)
-             + _truncate(group_sum, aligned, mantissa_bits))     # exact: m + 3 bits
-    return _truncate(total, _floor_log2(total), mantissa_bits)
+    """Step 2: the aligned, truncated addition of a group's sum to the partial sum (float64,
+    exact). The larger exponent E is the exponent of the larger magnitude; both terms are cut
+    to integer multiples of 2**(E - m) (division and multiplication by powers of two are
+    exact), and their sum, |n| < 2**(m + 2) such units, keeps its m + 1 leading bits."""
+    _, exponent = torch.frexp(torch.maximum(partial.abs(), group_sum.abs()))
+    step_exponent = (exponent - (1 + mantissa_bits)).double()      # E - m (frexp: E + 1)
+    step = torch.exp2(step_exponent)
+    units = torch.trunc(partial / step).add_(torch.trunc(group_sum / step))
+    fraction, bits = torch.frexp(units)                 # units = fraction * 2**bits exactly
+    kept = torch.trunc(fraction.mul_(2.0 ** (mantissa_bits + 1)))
+    return kept.mul_(torch.exp2(step_exponent.add_(bits - (1 + mantissa_bits))))
 
 
 def limited_precision_matmul(a: torch.Tensor, b: torch.Tensor, mantissa_bits: int = 13,
@@ -94,4 +85,4 @@ def limited_precision_matmul(a: torch.Tensor, b: torch.Tensor, mantissa_bits: in
         if every and ((g + 1) % every == 0 or g == groups - 1):
             result = result + partial.float()         # P fits float32: a float32 addition
             partial = torch.zeros_like(partial)
-    return result if every else partial.float()
+    return result if every else partial.float() + 0.0    # -0.0 -> 0.0
