@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from fractions import Fraction
 from types import MappingProxyType
 from typing import List, NamedTuple, Sequence, Tuple
 
@@ -34,7 +35,7 @@ PHASE_TEXT = MappingProxyType({
     QUANTIZED: "every GEMM as configured",
     HIGH_PRECISION_FORWARD: "forward GEMMs in the run's precision, backward as configured",
     HIGH_PRECISION: "every GEMM in the run's precision"})
-_WHEN = re.compile(r"^(?:(\d+)|(\d*\.\d+|\d+\.\d*))$")
+_WHEN = re.compile(r"^(?:([0-9]+)|([0-9]*\.[0-9]+|[0-9]+\.[0-9]*))$")
 FLAG = "--quant-schedule"
 # What tools/evaluate.py says to a schedule (its arms evaluate fixed weights).
 NOT_IN_EVALUATION = (f"{FLAG} switches a training run's precision by iteration; an evaluation "
@@ -65,7 +66,9 @@ def resolve(entries: Sequence[str], train_iters: int) -> List[Switch]:
     switches, phase_before = [], QUANTIZED
     for entry in entries:
         phase, when = check_entry(entry)
-        after = round(float(when) * train_iters) if "." in when else int(when)
+        # Exact decimal arithmetic: 0.7 of 45 is 31.5, which rounds to 32 (halves to even);
+        # in binary floating point it is 31.499... and would round to 31.
+        after = round(Fraction(when) * train_iters) if "." in when else int(when)
         if after >= train_iters:
             raise ValueError(f"{FLAG} {entry!r}: switches after iteration {after}, but the run "
                              f"ends at --train-iters {train_iters}; it would never take effect")
@@ -101,7 +104,8 @@ def describe(switches: Sequence[Switch], train_iters: int) -> str:
     spans = []
     for n, switch in enumerate(starts):
         last = starts[n + 1].after if n + 1 < len(starts) else train_iters
-        spans.append(f"iterations {switch.after + 1}-{last} {switch.phase}")
+        if last > switch.after:         # a switch at 0 leaves no quantized iterations
+            spans.append(f"iterations {switch.after + 1}-{last} {switch.phase}")
     return "; ".join(spans)
 
 

@@ -110,3 +110,25 @@ def test_a_site_runs_its_runtimes_phase(phase, quantized_gemms):
     assert torch.equal(y, exact) == (phase != QUANTIZED)
     y.backward(torch.randn_like(y))
     assert {gemm for _, gemm, _, _ in counter.quantized} == quantized_gemms
+
+
+@pytest.mark.parametrize("when, train_iters, after", [
+    ("0.7", 45, 32),       # 31.5 exactly: halves to even (binary floating point: 31.4999...)
+    ("0.545", 100, 54),    # 54.5 -> 54 (floating point: 54.50000000000001 -> 55)
+    ("0.35", 90, 32),      # 31.5 -> 32
+    ("0.14", 75, 10),      # 10.5 -> 10
+])
+def test_fractions_round_exactly_halves_to_even(when, train_iters, after):
+    assert resolve([f"high_precision@{when}"], train_iters) == [Switch(after, HIGH_PRECISION)]
+
+
+def test_a_switch_at_zero_shows_no_empty_quantized_range():
+    switches = resolve(["high_precision@0."], 4)
+    assert describe(switches, 4) == "iterations 1-4 high_precision"
+    assert describe(resolve(["high_precision_forward@0", "quantized@2"], 4), 4) == \
+        "iterations 1-2 high_precision_forward; iterations 3-4 quantized"
+
+
+def test_only_ascii_digits_are_iteration_counts():
+    with pytest.raises(ValueError, match="expected PHASE@WHEN"):
+        resolve(["high_precision@\u0665"], 10)          # ARABIC-INDIC DIGIT FIVE
