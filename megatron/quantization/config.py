@@ -674,6 +674,8 @@ class QuantSettings(Settings):
                                "auto or eager")
         source = (f"--quant-recipe {r.recipe}" if r.recipe else
                   f"--quant-recipe-file {r.recipe_file}" if r.recipe_file else None)
+        if r.recipe_file is None:
+            self._check_accumulation_flags()
         if source is None:
             if self.fp8.recipe is not None and self.fp8.format is None and \
                     "fp8" not in scheme_formats(s.scheme or "bf16"):
@@ -692,9 +694,24 @@ class QuantSettings(Settings):
                 ("--quant-stochastic-rounding", r.stochastic_rounding), ("--quant-rht", r.rht),
                 ("--quant-rht-gemms", r.rht_gemms), ("--quant-weight-2d", r.weight_2d))
                 if value is not None]
+            if not s.backward:
+                given.append("--no-quant-backward")
         if given:
             raise SettingError(f"{source} with {', '.join(given)}: the recipe sets these; drop "
                                f"{'them' if len(given) > 1 else 'it'} (or write a recipe file)")
+
+    def _check_accumulation_flags(self) -> None:
+        """The accumulator model's flags do nothing without --quant-accumulation-bits (a recipe
+        file's configs may set the bits per site, with these flags as their defaults)."""
+        g, default = self.gemm, GemmSettings()
+        given = [f"{setting_name(GemmSettings, name)} {_flag_text(getattr(g, name))}"
+                 for name in ("accumulation_group", "accumulation_promotion",
+                              "accumulation_gemms")
+                 if getattr(g, name) != getattr(default, name)]
+        if g.accumulation_bits is None and given:
+            raise SettingError(f"{', '.join(given)} without --quant-accumulation-bits M: the "
+                               "accumulator model is off, so they would change nothing; give "
+                               "--quant-accumulation-bits (e.g. 13) or drop them")
 
     def _check_fp8_attention(self) -> None:
         fp8, s = self.fp8, self.scheme
@@ -749,6 +766,10 @@ class QuantSettings(Settings):
         if self.recipe.recipe_file:
             return "recipe_file" if scheme == "bf16" else f"{scheme}_recipe_file"
         return scheme
+
+
+def _flag_text(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _flag_fields(obj) -> Iterator[Tuple[dataclasses.Field, Any]]:

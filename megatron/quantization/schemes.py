@@ -30,10 +30,10 @@ from typing import Dict, FrozenSet, Sequence
 
 from megatron.quantization import layer_lists
 from megatron.quantization.config import (
-    GEMMS, NONE, SITE_CONCERNS, STOCHASTIC_SLOTS, MatmulQuantConfig, Nvfp4Settings,
+    ENV_SCHEME, GEMMS, NONE, SITE_CONCERNS, STOCHASTIC_SLOTS, MatmulQuantConfig, Nvfp4Settings,
     OperandFormats, QuantConfig, QuantSettings, RhtSettings, SettingError, effective_scheme,
     scheme_formats)
-from megatron.quantization.presets import named_recipe
+from megatron.quantization.presets import defined_settings, named_recipe
 from megatron.quantization.recipes import RecipeError, bf16_layer_numbers, load_recipe_file
 
 
@@ -85,6 +85,10 @@ def effective_settings(settings: QuantSettings) -> QuantSettings:
                                                                    source="--fp8-format"))
     if settings.fp8.format is not None and settings.fp8.recipe == "mxfp8":
         grad = "e5m2" if settings.fp8.format == "hybrid" else "e4m3"
+        if settings.mx.scale_mode not in ("floor", "rceil"):
+            raise SettingError(f"--fp8-recipe mxfp8 uses TransformerEngine's rceil scale rule; "
+                               f"drop --mx-scale-mode {settings.mx.scale_mode} (or use --quant-"
+                               "scheme linear_mxfp8 without the --fp8-* flags)")
         settings = settings.replace(mx=settings.mx.replace(scale_mode="rceil", grad_format=grad))
     return settings
 
@@ -145,10 +149,18 @@ def _override_notes(settings: QuantSettings, formats: Sequence[str]) -> list:
 def resolve(settings: QuantSettings, num_layers: int, seed: int = 0) -> QuantConfig:
     """The per-site QuantConfig of a run's settings (overrides win and are noted); `seed`
     keys the Hadamard sign vector."""
+    notes = []
+    if settings.recipe.recipe and settings.scheme.source == ENV_SCHEME:
+        # The variable is --quant-scheme's default; a named recipe decides the sites itself.
+        notes.append(f"${ENV_SCHEME}={settings.scheme.scheme} is not used: --quant-recipe "
+                     f"{settings.recipe.recipe} decides which sites are quantized")
+        settings = settings.replace(scheme=settings.scheme.replace(scheme="bf16",
+                                                                   source="default"))
+    _check_recipe_fp8_flags(settings)
     settings = effective_settings(settings)
     s, r = settings.scheme, settings.recipe
     linear_fmt, qk_fmt = scheme_formats(s.scheme)
-    notes = _override_notes(settings, (linear_fmt, qk_fmt))
+    notes += _override_notes(settings, (linear_fmt, qk_fmt))
     linear_fmt = s.linear_quant if s.linear_quant is not None else linear_fmt
     qk_fmt = s.attn_qk_quant if s.attn_qk_quant is not None else qk_fmt
     pv_fmt = s.attn_pv_quant if s.attn_pv_quant is not None else "none"
@@ -201,10 +213,21 @@ def resolve(settings: QuantSettings, num_layers: int, seed: int = 0) -> QuantCon
     attn_qk, attn_pv = _attention_variant(make(qk_fmt), notes), \
         _attention_variant(make(pv_fmt), notes)
     if s.fp8_dot_product_attention:
-        attn_qk, attn_pv = fp8_attention(settings)
+        dpa_settings = settings
+        if r.recipe and "fp8" in defined_settings(r.recipe):
+            # The preset's FP8 scaling is the run's: attention follows it as TE's would.
+            if linear.fp8.scaling == "blockwise":
+                raise SettingError(f"--fp8-dot-product-attention with --quant-recipe {r.recipe} "
+                                   "(blockwise FP8 scaling): FP8 attention takes tensorwise, "
+                                   "delayed or mxfp8 scaling")
+            dpa_settings = settings.replace(fp8=linear.fp8)
+        attn_qk, attn_pv = fp8_attention(dpa_settings)
         notes.append("--fp8-dot-product-attention: attention's P and dS are delayed-scaled; "
                      "it runs the full-scores path (one amax history step per operand and "
                      "call)")
+    site_configs = [linear] + (list(rules.configs.values()) if rules else [])
+    _check_backward_override(site_configs, settings, notes)
+    _check_variant_kernels(site_configs, settings)
     return QuantConfig(
         scheme=s.scheme,
         linear=linear,
@@ -218,6 +241,60 @@ def resolve(settings: QuantSettings, num_layers: int, seed: int = 0) -> QuantCon
         backend=settings.backend,
         settings=settings,
     )
+
+
+def _check_recipe_fp8_flags(settings: QuantSettings) -> None:
+    """--fp8-format / --fp8-recipe with a named recipe that is not an FP8 one: the recipe decides
+    the linear layers' formats, so they could only mean FP8 attention."""
+    r, fp8 = settings.recipe, settings.fp8
+    if not r.recipe or "fp8" in defined_settings(r.recipe) or \
+            settings.scheme.fp8_dot_product_attention:
+        return
+    given = [f"{flag} {value}" for flag, value in (("--fp8-format", fp8.format),
+                                                   ("--fp8-recipe", fp8.recipe)) if value]
+    if given:
+        raise SettingError(f"--quant-recipe {r.recipe} with {' '.join(given)}: the recipe decides "
+                           "the linear layers' formats (not FP8 ones) and the FP8 flags would "
+                           "change nothing; drop them (or add --fp8-dot-product-attention for "
+                           "FP8 attention)")
+
+
+def _check_backward_override(configs: Sequence[MatmulQuantConfig], settings: QuantSettings,
+                             notes: list) -> None:
+    """--quant-backward-override (or a recipe's backward_override) replaces the backward GEMMs'
+    formats: refuse it where that would discard what the run asked to quantize."""
+    s = settings.scheme
+    overridden = [c for c in configs if c.gemm.backward_override is not None]
+    override = settings.gemm.backward_override or \
+        (overridden[0].gemm.backward_override if overridden else None)
+    if override is None:
+        return
+    explicit = [f"--quant-{g} {fmt}" for g, fmt in s.gemm_formats().items()
+                if g != "fprop" and fmt != "none"]
+    if explicit:
+        raise SettingError(f"--quant-backward-override {override} with {', '.join(explicit)}: "
+                           "the override leaves the backward GEMMs' operands unquantized (or "
+                           "the forward's dequantized); drop one of them")
+    for cfg in overridden:
+        if cfg.enabled and not cfg.fprop.enabled:
+            raise SettingError(f"--quant-backward-override {override} on linear layers whose "
+                               "forward GEMM is in high precision: the backward GEMMs are the "
+                               "only quantized ones and the override would run the whole site "
+                               "in high precision; drop it")
+    if not any(c.fprop.enabled for c in overridden):
+        notes.append(f"--quant-backward-override {override} changes nothing here: no linear "
+                     "layer is quantized")
+
+
+def _check_variant_kernels(configs: Sequence[MatmulQuantConfig], settings: QuantSettings):
+    """The NVFP4 variants (4/6, per-token scales) run in eager PyTorch only, whether the flags,
+    a named recipe or a recipe file asked for them."""
+    kernels = settings.backend.kernels
+    if kernels in ("triton", "compile") and any(
+            c.nvfp4.enabled and "nvfp4" in c.formats for c in configs):
+        raise SettingError(f"--quant-kernels {kernels} with NVFP4 4/6 or per-token scales (of "
+                           "the flags, the recipe or the recipe file): they exist in eager "
+                           "PyTorch only; use --quant-kernels auto or eager")
 
 
 def skip_layer_numbers(items: Sequence[str], num_layers: int) -> FrozenSet[int]:

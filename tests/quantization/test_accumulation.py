@@ -198,3 +198,17 @@ def test_the_settings_are_checked_shown_and_train():
     limited = pretrain(pretrain_gpt.forward_step, args + ["--quant-accumulation-bits", "7"])
     assert all(math.isfinite(v) for v in limited.losses.values())
     assert limited.losses[2] != plain.losses[2]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--quant-accumulation-gemms", "fprop"], "--quant-accumulation-gemms fprop"),
+    (["--quant-accumulation-promotion", "128"], "--quant-accumulation-promotion 128"),
+    (["--quant-accumulation-group", "16"], "--quant-accumulation-group 16"),
+])
+def test_accumulator_flags_without_bits_are_refused(argv, named):
+    from megatron.quantization.config import SettingError, settings_from_flags
+    with pytest.raises(SettingError, match=f"{named} without --quant-accumulation-bits"):
+        settings_from_flags(["--quant-scheme", "linear_mxfp8"] + argv)
+    with_bits = settings_from_flags(["--quant-scheme", "linear_mxfp8",
+                                     "--quant-accumulation-bits", "13"] + argv)
+    assert with_bits.gemm.accumulation_bits == 13

@@ -127,3 +127,21 @@ def test_a_named_recipe_takes_it_and_trains(tmp_path):
         "dequantized"])
     assert result.exit_reason == "train-iters" and len(result.losses) == 2
     assert all(torch.isfinite(torch.tensor(list(result.losses.values()))))
+
+
+def test_an_explicit_backward_format_with_the_override_is_refused():
+    with pytest.raises(SettingError, match="--quant-backward-override high_precision with "
+                                           "--quant-wgrad nvfp4"):
+        quant_config(["--quant-scheme", "linear_nvfp4", "--quant-backward-override",
+                      "high_precision", "--quant-wgrad", "nvfp4"])
+    # --quant-wgrad none agrees with the override: nothing to refuse.
+    config = quant_config(["--quant-scheme", "linear_nvfp4", "--quant-backward-override",
+                           "high_precision", "--quant-wgrad", "none"])
+    assert config.linear.gemm.backward_override == "high_precision"
+
+
+def test_the_override_on_a_run_without_quantized_linear_layers_is_noted():
+    config = quant_config(["--quant-scheme", "FA_mxfp8", "--quant-backward-override",
+                           "dequantized"])
+    assert any("--quant-backward-override dequantized changes nothing" in n
+               for n in config.notes)

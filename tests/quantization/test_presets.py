@@ -145,3 +145,69 @@ def test_every_preset_trains_and_shows_its_formats(name, capsys):
     table = describe_config(quant_config(["--quant-recipe", name], num_layers=2))
     for line in table.splitlines()[3:6]:          # the fprop, dgrad and wgrad lines
         assert line.strip() in out, (name, line)
+
+
+# -- flags a preset would otherwise drop without a word -------------------------------------
+
+
+def test_the_scheme_variable_does_not_add_sites_to_a_named_recipe():
+    # $CUSTOM_QUANT_TYPE is --quant-scheme's default; every preset keeps attention in BF16.
+    config = quant_config(["--quant-recipe", "nvfp4"], environ={"CUSTOM_QUANT_TYPE": "mxfp8"})
+    assert (config.attn_qk.fprop.a, config.attn_pv.fprop.a) == ("none", "none")
+    assert config.linear.fprop.a == "nvfp4"
+    assert any("CUSTOM_QUANT_TYPE=FA_linear_mxfp8 is not used" in n for n in config.notes)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quant-recipe", "nvfp4", "--fp8-format", "e4m3"],
+     "--quant-recipe nvfp4 with --fp8-format e4m3: the recipe decides"),
+    (["--quant-recipe", "bf16_with_mxfp8_mixed", "--fp8-format", "hybrid", "--fp8-recipe",
+      "tensorwise"], "with --fp8-format hybrid --fp8-recipe tensorwise: the recipe decides"),
+    (["--quant-recipe", "bf16_with_nvfp4_mixed", "--no-quant-backward"],
+     "with --no-quant-backward: the recipe sets these"),
+    (["--quant-recipe", "nvfp4_4over6", "--quant-kernels", "triton"],
+     "--quant-kernels triton with NVFP4 4/6 or per-token scales"),
+    (["--quant-recipe", "nvfp4_row_scaled_fwd_high_precision_bwd", "--quant-kernels",
+      "compile"], "--quant-kernels compile with NVFP4 4/6 or per-token scales"),
+    (["--quant-recipe", "high_precision_fwd_mxfp8_bwd", "--quant-backward-override",
+      "dequantized"], "forward GEMM is in high precision"),
+    (["--quant-recipe", "mxfp4_rht_sr", "--quant-backward-override", "high_precision"],
+     "forward GEMM is in high precision"),
+    (["--quant-recipe", "bf16_with_fp8_subchannel_scaling_mixed", "--fp8-format", "hybrid",
+      "--fp8-dot-product-attention"], "FP8 attention takes tensorwise, delayed or mxfp8"),
+])
+def test_flags_a_preset_would_ignore_are_refused(argv, message):
+    with pytest.raises(SettingError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        quant_config(argv)
+
+
+def test_an_evaluation_arm_refuses_kernels_its_recipes_variants_lack():
+    from megatron.training.errors import ConfigError
+    with pytest.raises(ConfigError, match="--quant-kernels triton with NVFP4 4/6"):
+        arm_config("recipe_nvfp4_4over6@quant-kernels=triton", QuantSettings(), 2, 0)
+
+
+def test_fp8_attention_follows_the_presets_scaling():
+    # TE's FP8 attention takes the run's recipe: Q, K, V current-scaled under
+    # Float8CurrentScaling, delayed with the preset's history (1024, max) under DelayedScaling.
+    current = quant_config(["--quant-recipe", "bf16_with_fp8_current_scaling_mixed",
+                            "--fp8-format", "hybrid", "--fp8-dot-product-attention"])
+    assert current.attn_qk.fp8.scaling == "tensorwise"
+    assert not current.attn_qk.delayed("fp8_e4m3", "fprop.a")
+    assert current.attn_pv.delayed("fp8_e4m3", "fprop.a")          # P (TE's S) stays delayed
+    delayed = quant_config(["--quant-recipe", "bf16_with_fp8_delayed_scaling_mixed",
+                            "--fp8-format", "hybrid", "--fp8-dot-product-attention"])
+    assert (delayed.attn_qk.fp8.amax_history_len, delayed.attn_qk.fp8.amax_compute_algo) == \
+        (1024, "max")
+    # Not an FP8 preset: attention takes the run's own FP8 flags.
+    nvfp4 = quant_config(["--quant-recipe", "nvfp4", "--fp8-format", "hybrid", "--fp8-recipe",
+                          "tensorwise", "--fp8-dot-product-attention"])
+    assert nvfp4.attn_qk.fp8.scaling == "tensorwise" and nvfp4.linear.fprop.a == "nvfp4"
+
+
+def test_fp8_recipe_mxfp8_refuses_another_scale_rule():
+    with pytest.raises(SettingError, match="drop --mx-scale-mode ceil"):
+        quant_config(["--quant-scheme", "linear_mxfp8", "--mx-scale-mode", "ceil",
+                      "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"])
+    assert quant_config(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--mx-scale-mode",
+                         "rceil"]).linear.mx.scale_mode == "rceil"
