@@ -25,6 +25,9 @@ from megatron.quantization.schemes import resolve
 from megatron.training.errors import ConfigError
 
 RECIPE_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+# The flags a spec's name stands for: after '@' they would evaluate another arm than the
+# label says.
+NAMED_BY_SPEC = ("quant-scheme", "quant-recipe", "quant-recipe-file")
 
 
 def split_spec(spec: str) -> Tuple[str, List[str]]:
@@ -42,6 +45,10 @@ def split_spec(spec: str) -> Tuple[str, List[str]]:
                           f"a recipe ({recipes}) or a recipe file (*.yaml, *.yml, *.json)")
     for item in filter(None, flags.split(",")):
         flag, has_value, value = item.partition("=")
+        if flag.lstrip("-") in NAMED_BY_SPEC:
+            raise ConfigError(f"--schemes {spec!r}: {flag} is what the spec's name says (the "
+                              "arm's label); give it as the name (a scheme, recipe_<name> or "
+                              "a recipe file), not after '@'")
         argv.append("--" + flag.lstrip("-"))
         if has_value:
             argv.extend(value.split("+"))

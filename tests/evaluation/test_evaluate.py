@@ -256,3 +256,14 @@ def test_two_data_parallel_ranks_give_the_single_process_numbers(trained, evalua
                                                              rel=1e-6)
     d2, d1 = (d["schemes"]["linear_mxfp4"]["delta_vs_baseline"] for d in (doc, single))
     assert d2["ci95"] == pytest.approx(d1["ci95"], rel=1e-3, abs=1e-7)
+
+
+@pytest.mark.parametrize("spec", ["recipe_nvfp4@quant-recipe=nvfp4_4over6",
+                                  "linear_mxfp8@quant-scheme=linear_nvfp4",
+                                  "linear_mxfp8@--quant-recipe-file=recipe.yaml"])
+def test_a_spec_cannot_name_another_arm_after_its_at(spec):
+    # The spec is the arm's label: a scheme or recipe after '@' would evaluate another arm.
+    from megatron.evaluation.specs import split_spec
+    from megatron.training.errors import ConfigError
+    with pytest.raises(ConfigError, match="is what the spec's name says"):
+        split_spec(spec)
