@@ -5,7 +5,8 @@
            | recipe_<name>            a named recipe (--quant-recipe <name>: recipe_nvfp4, ...)
            | PATH.yaml | PATH.yml | PATH.json   a recipe file (--quant-recipe-file PATH)
     FLAG   = a pretrain_gpt.py quantization flag without its dashes; a list value joins its
-             items with "+" (quant-rht-gemms=fprop+wgrad)
+             items with "+" (quant-rht-gemms=fprop+wgrad); a switch takes no value, =true or
+             =false (nvfp4-row-scaled-activation=true, quant-weight-cache=false)
 
 e.g. `linear_mxfp8@mx-scale-mode=rceil`,
 `linear_nvfp4@quant-stochastic-rounding=grad,quant-fprop=none`.
@@ -20,7 +21,8 @@ from typing import List, Tuple
 
 from megatron.quantization import schedule
 from megatron.quantization.config import (
-    RECIPE_NAMES, SCHEMES, QuantConfig, QuantSettings, SettingError, settings_from_flags)
+    RECIPE_NAMES, SCHEMES, QuantConfig, QuantSettings, SettingError, settings_from_flags,
+    switch_flags)
 from megatron.quantization.schemes import resolve
 from megatron.training.errors import ConfigError
 
@@ -49,10 +51,29 @@ def split_spec(spec: str) -> Tuple[str, List[str]]:
             raise ConfigError(f"--schemes {spec!r}: {flag} is what the spec's name says (the "
                               "arm's label); give it as the name (a scheme, recipe_<name> or "
                               "a recipe file), not after '@'")
-        argv.append("--" + flag.lstrip("-"))
+        flag = "--" + flag.lstrip("-")
+        if has_value and flag in switch_flags():
+            argv.append(_switch(spec, flag, value))
+            continue
+        argv.append(flag)
         if has_value:
             argv.extend(value.split("+"))
     return name, argv
+
+
+def _switch(spec: str, flag: str, value: str) -> str:
+    """The flag a switch's `flag=value` stands for: flag for true, --no-... for false."""
+    can_switch_off = switch_flags()[flag]
+    if value.lower() == "true":
+        return flag
+    if value.lower() == "false" and can_switch_off:
+        return "--no-" + flag[2:]
+    if value.lower() == "false":
+        raise ConfigError(f"--schemes {spec!r}: {flag} is a switch that is off unless given; "
+                          f"leave it out rather than give it =false")
+    valid = "no value, true or false" if can_switch_off else "no value (or true)"
+    raise ConfigError(f"--schemes {spec!r}: {flag} is a switch: it takes {valid}, not "
+                      f"{value!r}")
 
 
 def arm_config(spec: str, base: QuantSettings, num_layers: int, seed: int) -> QuantConfig:

@@ -133,6 +133,9 @@ KERNEL_MODES = typing.get_args(KernelMode)
 FP8_SCALINGS = ("tensorwise", "delayed", "blockwise")   # what an FP8 operand's scale follows
 STOCHASTIC_SLOTS = MappingProxyType({"none": frozenset(), "grad": GRADIENT_SLOTS,
                                      "all": frozenset(OPERAND_SLOTS)})
+# The argparse dest where the parser records the quantization flags given on the command line
+# (add_arguments' actions; QuantSettings.given).
+GIVEN_DEST = "quant_flags_given"
 # Bounds of settings that size memory: an amax history is one fp32 per step per operand slot.
 MAX_AMAX_HISTORY_LEN = 1 << 16
 
@@ -662,6 +665,10 @@ class QuantSettings(Settings):
     gemm: GemmSettings = field(default_factory=GemmSettings)
     recipe: RecipeSettings = field(default_factory=RecipeSettings)
     backend: BackendSettings = field(default_factory=BackendSettings)
+    # The flags given on the command line, at any value ("--mx-scale-mode", ...; given_flags
+    # decides): what a named recipe or --fp8-recipe mxfp8 may not set to something else.
+    given: FrozenSet[str] = field(default=frozenset(), compare=False,
+                                  metadata={"value": GIVEN_DEST})
 
     def check(self) -> None:
         """The rules between concerns: a named recipe or a recipe file decides what the
@@ -744,6 +751,7 @@ class QuantSettings(Settings):
         """The typed settings of parsed flags (argparse dests as add_arguments names them);
         the scheme defaults to $CUSTOM_QUANT_TYPE, else bf16."""
         values = dict(vars(args))
+        values[GIVEN_DEST] = given_flags(values)
         if values.get("quant_scheme") is None:
             values["quant_scheme"] = scheme_from_env(environ)
             values["quant_scheme_source"] = \
@@ -766,6 +774,22 @@ class QuantSettings(Settings):
         if self.recipe.recipe_file:
             return "recipe_file" if scheme == "bf16" else f"{scheme}_recipe_file"
         return scheme
+
+
+def given_flags(values: dict) -> FrozenSet[str]:
+    """The quantization flags given on the command line, from parsed flags `values` (argparse
+    dests): those add_arguments' parser recorded; for values no such parser made (a namespace
+    built by hand), the flags whose value is not their default."""
+    if isinstance(values.get(GIVEN_DEST), (tuple, list, set, frozenset)):
+        return frozenset(values[GIVEN_DEST])
+    given = set()
+    for f, _ in _flag_field_types(QuantSettings):
+        dest, default = _dest(f.metadata["flag"]), f.default
+        value = values.get(dest, default)
+        value = tuple(value) if isinstance(value, list) else value
+        if value != default and not (value is None and default == ()):
+            given.add(f.metadata["flag"])
+    return frozenset(given)
 
 
 def _flag_text(value) -> str:
@@ -801,8 +825,33 @@ def _from_flags(kind, values: dict):
     return kind(**kwargs)
 
 
+class _Given(argparse.Action):
+    """Records its flag (the first option string: --quant-backward for --no-quant-backward)
+    among the namespace's given flags (GIVEN_DEST), then acts as its other base."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, GIVEN_DEST, None)     # anything else: a probe's placeholder
+        given = set(given) if isinstance(given, (tuple, list, set, frozenset)) else set()
+        setattr(namespace, GIVEN_DEST, tuple(sorted(given | {self.option_strings[0]})))
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _GivenStore(_Given, argparse._StoreAction):
+    pass
+
+
+class _GivenStoreTrue(_Given, argparse._StoreTrueAction):
+    pass
+
+
+class _GivenBool(_Given, argparse.BooleanOptionalAction):
+    pass
+
+
 def add_arguments(group, cls=QuantSettings) -> None:
-    """Add a flag for every flag setting of `cls`'s tree to an argparse group (or parser)."""
+    """Add a flag for every flag setting of `cls`'s tree to an argparse group (or parser);
+    the flags given are recorded in the namespace (GIVEN_DEST, see given_flags)."""
+    group.set_defaults(**{GIVEN_DEST: ()})
     for f, tp in _flag_field_types(cls):
         meta = f.metadata
         inner, optional = _unwrap_optional(tp)
@@ -811,10 +860,10 @@ def add_arguments(group, cls=QuantSettings) -> None:
             kwargs["metavar"] = meta["metavar"]
         default = f.default if f.default is not dataclasses.MISSING else None
         if inner is bool:
-            kwargs["action"] = "store_true" if meta.get("store_true") else \
-                argparse.BooleanOptionalAction
+            kwargs["action"] = _GivenStoreTrue if meta.get("store_true") else _GivenBool
             kwargs["default"] = default
         else:
+            kwargs["action"] = _GivenStore
             choices = _choices(inner)
             scalar = typing.get_args(inner)[0] if typing.get_origin(inner) is tuple else inner
             kwargs["type"] = type(choices[0]) if choices else scalar
@@ -842,6 +891,13 @@ def flag_names(cls=QuantSettings) -> List[str]:
     return [f.metadata["flag"] for f, _ in _flag_field_types(cls)]
 
 
+def switch_flags(cls=QuantSettings) -> Dict[str, bool]:
+    """{flag: whether --no-<flag> switches it off} of the quantization flags that take no
+    value (a bool setting's)."""
+    return {f.metadata["flag"]: not f.metadata.get("store_true")
+            for f, tp in _flag_field_types(cls) if _unwrap_optional(tp)[0] is bool}
+
+
 class _RaisingParser(argparse.ArgumentParser):
     def error(self, message):
         raise SettingError(message)
@@ -857,10 +913,11 @@ def settings_parser() -> argparse.ArgumentParser:
 def settings_from_flags(argv: Sequence[str], base: Optional[QuantSettings] = None,
                         environ=os.environ) -> QuantSettings:
     """QuantSettings from quantization flags (["--quant-scheme", "linear_mxfp8", ...]): on top
-    of `base`'s values when given (only the flags in argv change). Any other flag is a
-    SettingError naming it."""
+    of `base`'s values when given (only the flags in argv change; the flags given are
+    `base`'s and argv's). Any other flag is a SettingError naming it."""
     parser = settings_parser()
     namespace = argparse.Namespace(**(base.as_flags() if base is not None else {}))
+    setattr(namespace, GIVEN_DEST, tuple(sorted(base.given)) if base is not None else ())
     args, unknown = parser.parse_known_args(list(argv), namespace=namespace)
     if unknown:
         raise SettingError(f"not a quantization flag: {' '.join(unknown)} (valid: "

@@ -124,19 +124,26 @@ def named_recipe(name: str, num_layers: int, seed: int,
                  base: Optional[QuantSettings] = None) -> Preset:
     """The linear layers' config and BF16 layers of named recipe `name` for a model of
     `num_layers`; its site concerns are the run's settings `base` with what the recipe defines
-    applied (a flag that sets one of those to something else is a SettingError)."""
+    applied (a flag given at another value than the recipe's, or another value the flags
+    imply, is a SettingError)."""
     base = base or QuantSettings()
     pieces, (start, end) = _layout(name, seed)
     concerns = {c: getattr(base, c) for c in SITE_CONCERNS}
     for concern, fields in _DEFINED[name].items():
-        given, default = concerns[concern], type(concerns[concern])()
+        run, default = concerns[concern], type(concerns[concern])()
         for field_name, value in fields.items():
-            current = getattr(given, field_name)
-            if current != value and current != getattr(default, field_name):
-                flag = setting_name(type(given), field_name)
-                raise SettingError(f"--quant-recipe {name} sets {flag} {_text(value)}; drop "
-                                   f"{flag} {_text(current)}")
-        concerns[concern] = dataclasses.replace(given, **fields)
+            current = getattr(run, field_name)
+            flag = setting_name(type(run), field_name)
+            if current == value or (flag not in base.given
+                                    and current == getattr(default, field_name)):
+                continue
+            sets = f"--quant-recipe {name} sets {flag} {_text(value)}"
+            implied = _implied_by(base, concern)
+            if flag in base.given or implied is None:
+                raise SettingError(f"{sets}; drop {flag} {_text(current)}")
+            raise SettingError(f"{sets}, but {implied} imply {flag} {_text(current)}; change "
+                               f"or drop {implied.split(' --')[0]}")
+        concerns[concern] = dataclasses.replace(run, **fields)
     notes = []
     if end == -1:
         end = nvfp4_bf16_layers_at_end(num_layers)
@@ -145,6 +152,15 @@ def named_recipe(name: str, num_layers: int, seed: int,
                      f"{num_layers} layers every layer is in BF16")
         end = num_layers
     return Preset(MatmulQuantConfig(**pieces, **concerns), (start, end), tuple(notes))
+
+
+def _implied_by(settings: QuantSettings, concern: str) -> Optional[str]:
+    """The flags that imply the settings of `concern` (--fp8-format F --fp8-recipe mxfp8: the
+    MX scale rule and gradient format), or None."""
+    fp8 = settings.fp8
+    if concern == "mx" and fp8.recipe == "mxfp8" and fp8.format is not None:
+        return f"--fp8-format {fp8.format} --fp8-recipe mxfp8"
+    return None
 
 
 def _text(value) -> str:

@@ -30,9 +30,9 @@ from typing import Dict, FrozenSet, Sequence
 
 from megatron.quantization import layer_lists
 from megatron.quantization.config import (
-    ENV_SCHEME, GEMMS, NONE, SITE_CONCERNS, STOCHASTIC_SLOTS, MatmulQuantConfig, Nvfp4Settings,
-    OperandFormats, QuantConfig, QuantSettings, RhtSettings, SettingError, effective_scheme,
-    scheme_formats)
+    ENV_SCHEME, GEMMS, NONE, SITE_CONCERNS, STOCHASTIC_SLOTS, MatmulQuantConfig, MxSettings,
+    Nvfp4Settings, OperandFormats, QuantConfig, QuantSettings, RhtSettings, SettingError,
+    effective_scheme, scheme_formats)
 from megatron.quantization.presets import defined_settings, named_recipe
 from megatron.quantization.recipes import RecipeError, bf16_layer_numbers, load_recipe_file
 
@@ -85,11 +85,19 @@ def effective_settings(settings: QuantSettings) -> QuantSettings:
                                                                    source="--fp8-format"))
     if settings.fp8.format is not None and settings.fp8.recipe == "mxfp8":
         grad = "e5m2" if settings.fp8.format == "hybrid" else "e4m3"
-        if settings.mx.scale_mode not in ("floor", "rceil"):
+        mx, default = settings.mx, MxSettings()
+        # A flag given at another value, or a value set otherwise, contradicts what it implies.
+        if mx.scale_mode != "rceil" and ("--mx-scale-mode" in settings.given
+                                         or mx.scale_mode != default.scale_mode):
             raise SettingError(f"--fp8-recipe mxfp8 uses TransformerEngine's rceil scale rule; "
-                               f"drop --mx-scale-mode {settings.mx.scale_mode} (or use --quant-"
+                               f"drop --mx-scale-mode {mx.scale_mode} (or use --quant-"
                                "scheme linear_mxfp8 without the --fp8-* flags)")
-        settings = settings.replace(mx=settings.mx.replace(scale_mode="rceil", grad_format=grad))
+        if mx.grad_format != grad and "--mx-grad-format" in settings.given:
+            raise SettingError(f"--fp8-format {settings.fp8.format} --fp8-recipe mxfp8 puts "
+                               f"MXFP8 gradients in {grad.upper()}; drop --mx-grad-format "
+                               f"{mx.grad_format} (or use --quant-scheme linear_mxfp8 without "
+                               "the --fp8-* flags)")
+        settings = settings.replace(mx=mx.replace(scale_mode="rceil", grad_format=grad))
     return settings
 
 

@@ -267,3 +267,20 @@ def test_a_spec_cannot_name_another_arm_after_its_at(spec):
     from megatron.training.errors import ConfigError
     with pytest.raises(ConfigError, match="is what the spec's name says"):
         split_spec(spec)
+
+
+def test_a_spec_gives_a_switch_true_or_false():
+    from megatron.evaluation.specs import arm_config, split_spec
+    from megatron.quantization.config import QuantSettings
+    from megatron.training.errors import ConfigError
+    assert split_spec("linear_nvfp4@nvfp4-row-scaled-activation=true")[1] == \
+        ["--quant-scheme", "linear_nvfp4", "--nvfp4-row-scaled-activation"]
+    assert split_spec("linear_mxfp8@quant-weight-cache=false")[1] == \
+        ["--quant-scheme", "linear_mxfp8", "--no-quant-weight-cache"]
+    config = arm_config("linear_nvfp4@nvfp4-row-scaled-activation=true", QuantSettings(), 2, 0)
+    assert config.linear.nvfp4.row_scaled_activation
+    with pytest.raises(ConfigError, match="is a switch that is off unless given"):
+        split_spec("linear_nvfp4@nvfp4-row-scaled-activation=false")
+    with pytest.raises(ConfigError, match="is a switch: it takes no value, true or false, not "
+                                          "'yes'"):
+        split_spec("linear_mxfp8@quant-weight-cache=yes")

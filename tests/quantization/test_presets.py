@@ -211,3 +211,89 @@ def test_fp8_recipe_mxfp8_refuses_another_scale_rule():
                       "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"])
     assert quant_config(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--mx-scale-mode",
                          "rceil"]).linear.mx.scale_mode == "rceil"
+
+
+# -- flags given at their default value ------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quant-recipe", "bf16_with_mxfp8_mixed", "--mx-scale-mode", "floor"],
+     "--quant-recipe bf16_with_mxfp8_mixed sets --mx-scale-mode rceil; drop --mx-scale-mode "
+     "floor"),
+    (["--quant-recipe", "bf16_with_fp8_delayed_scaling_mixed", "--fp8-amax-compute-algo",
+      "most_recent"], "sets --fp8-amax-compute-algo max; drop --fp8-amax-compute-algo "
+                      "most_recent"),
+    (["--quant-recipe", "bf16_with_fp8_delayed_scaling_mixed", "--fp8-amax-history-len", "1"],
+     "sets --fp8-amax-history-len 1024; drop --fp8-amax-history-len 1"),
+    (["--quant-recipe", "nvfp4_4over6", "--nvfp4-4over6", "none"],
+     "--quant-recipe nvfp4_4over6 sets --nvfp4-4over6 all; drop --nvfp4-4over6 none"),
+    (["--quant-recipe", "high_precision_fwd_mxfp8_bwd", "--mx-grad-format", "e4m3",
+      "--mx-scale-mode", "floor"], "sets --mx-scale-mode rceil; drop --mx-scale-mode floor"),
+])
+def test_a_flag_given_at_its_default_that_contradicts_the_preset_is_refused(argv, message):
+    # The default is a value like any other once it is given: the preset must not replace it.
+    with pytest.raises(SettingError, match=f"{message}$"):
+        quant_config(argv, num_layers=4)
+
+
+def test_a_flag_given_at_the_presets_value_is_accepted():
+    lin = quant_config(["--quant-recipe", "bf16_with_mxfp8_mixed", "--mx-scale-mode", "rceil",
+                        "--mx-grad-format", "e4m3"], num_layers=4).linear
+    assert (lin.mx.scale_mode, lin.mx.grad_format) == ("rceil", "e4m3")
+    lin = quant_config(["--quant-recipe", "bf16_with_fp8_delayed_scaling_mixed",
+                        "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+                        "--fp8-amax-compute-algo", "max", "--fp8-margin", "0"],
+                       num_layers=4).linear
+    assert (lin.fp8.amax_history_len, lin.fp8.amax_compute_algo) == (1024, "max")
+    lin = quant_config(["--quant-recipe", "nvfp4_4over6", "--nvfp4-4over6", "all"],
+                       num_layers=4).linear
+    assert lin.nvfp4.four_over_six == "all"
+
+
+def test_an_evaluation_arm_refuses_a_default_value_its_preset_replaces():
+    from megatron.training.errors import ConfigError
+    with pytest.raises(ConfigError, match="sets --mx-scale-mode rceil; drop --mx-scale-mode "
+                                          "floor"):
+        arm_config("recipe_bf16_with_mxfp8_mixed@mx-scale-mode=floor", QuantSettings(), 2, 0)
+    config = arm_config("recipe_bf16_with_mxfp8_mixed@mx-scale-mode=rceil", QuantSettings(),
+                        2, 0)
+    assert config.linear.mx.scale_mode == "rceil"
+    # A flag of the run's command line applies to every arm: given at the default, too.
+    from megatron.quantization.config import settings_from_flags
+    base = settings_from_flags(["--mx-scale-mode", "floor"])
+    assert base.given == {"--mx-scale-mode"}
+    assert arm_config("linear_mxfp8", base, 2, 0).linear.mx.scale_mode == "floor"
+    with pytest.raises(ConfigError, match="drop --mx-scale-mode floor"):
+        arm_config("recipe_bf16_with_mxfp8_mixed", base, 2, 0)
+
+
+def test_fp8_recipe_mxfp8_refuses_the_scale_rule_and_gradient_format_given_at_others():
+    with pytest.raises(SettingError, match="rceil scale rule; drop --mx-scale-mode floor"):
+        quant_config(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--mx-scale-mode",
+                      "floor"])
+    with pytest.raises(SettingError, match="gradients in E5M2; drop --mx-grad-format e4m3"):
+        quant_config(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--mx-grad-format",
+                      "e4m3"])
+    with pytest.raises(SettingError, match="gradients in E4M3; drop --mx-grad-format e5m2"):
+        quant_config(["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--mx-grad-format",
+                      "e5m2"])
+    mx = quant_config(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--mx-grad-format",
+                       "e5m2"]).linear.mx
+    assert (mx.scale_mode, mx.grad_format) == ("rceil", "e5m2")
+    mx = quant_config(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"]).linear.mx
+    assert (mx.scale_mode, mx.grad_format) == ("rceil", "e5m2")
+
+
+def test_a_setting_the_fp8_flags_imply_is_named_with_them_not_as_a_flag_to_drop():
+    # --fp8-format hybrid --fp8-recipe mxfp8 imply E5M2 gradients; the preset sets E4M3. The
+    # message names the flags given, not --mx-grad-format, which was not.
+    argv = ["--quant-recipe", "bf16_with_mxfp8_mixed", "--fp8-format", "hybrid", "--fp8-recipe",
+            "mxfp8", "--fp8-dot-product-attention"]
+    with pytest.raises(SettingError) as info:
+        quant_config(argv)
+    assert str(info.value) == (
+        "--quant-recipe bf16_with_mxfp8_mixed sets --mx-grad-format e4m3, but --fp8-format "
+        "hybrid --fp8-recipe mxfp8 imply --mx-grad-format e5m2; change or drop --fp8-format "
+        "hybrid")
+    argv[argv.index("hybrid")] = "e4m3"
+    assert quant_config(argv).linear.mx.grad_format == "e4m3"

@@ -246,8 +246,10 @@ def test_parsing_no_flags_gives_the_defaults():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     parsed = parser.parse_args([])
-    # Every generated flag is read back (as_flags names exactly the parser's dests).
-    assert set(vars(parsed)) == set(QuantSettings().as_flags())
+    # Every generated flag is read back (as_flags names exactly the parser's dests), plus the
+    # record of the flags given (none).
+    assert set(vars(parsed)) == set(QuantSettings().as_flags()) | {"quant_flags_given"}
+    assert parsed.quant_flags_given == ()
     settings = QuantSettings.from_args(parsed, environ={})
     defaults = QuantSettings()
     assert settings.scheme.scheme == "bf16" and settings.scheme.source == "default"
@@ -421,3 +423,31 @@ def test_run_label(tmp_path, monkeypatch):
     assert args.quant_config.source == "default and --quant-recipe-file"
     args = _validated([], monkeypatch)
     assert args.quant_config.label == "bf16" and args.quant_config.source == "default"
+
+
+def test_the_flags_given_are_recorded_at_any_value():
+    """QuantSettings.given: the flags on the command line, at their default value too; a
+    namespace that no parser of these flags made gives the flags off their defaults."""
+    args = validate_args(parse_args(TINY_MOCK_ARGS + [
+        "--train-iters", "2", "--mx-scale-mode", "floor", "--no-quant-backward",
+        "--quant-output-layer"]), check_paths=False)
+    assert args.quant_config.settings.given == {"--mx-scale-mode", "--quant-backward",
+                                                "--quant-output-layer"}
+    assert settings_from_flags([]).given == frozenset()
+    assert settings_from_flags(["--fp8-amax-history-len", "1"]).given == \
+        {"--fp8-amax-history-len"}
+    base = settings_from_flags(["--mx-scale-mode", "floor"])
+    assert settings_from_flags(["--quant-rht", "16"], base=base).given == \
+        {"--mx-scale-mode", "--quant-rht"}
+    by_hand = argparse.Namespace(mx_scale_mode="even", fp8_margin=0, quant_skip_layers=None)
+    assert QuantSettings.from_args(by_hand, environ={}).given == {"--mx-scale-mode"}
+    # Not a setting: the recorded flags (as_flags, checkpoints) do not change.
+    assert "quant_flags_given" not in settings_from_flags(["--mx-scale-mode", "floor"]).as_flags()
+
+
+def test_validate_args_refuses_a_default_value_the_preset_replaces():
+    with pytest.raises(ConfigError, match="sets --mx-scale-mode rceil; drop --mx-scale-mode "
+                                          "floor"):
+        validate_args(parse_args(TINY_MOCK_ARGS + [
+            "--train-iters", "2", "--quant-recipe", "bf16_with_mxfp8_mixed",
+            "--mx-scale-mode", "floor"]), check_paths=False)
