@@ -311,3 +311,14 @@ def test_every_module_imports_from_a_non_editable_install(installed, tmp_path):
     done = _run(code, str(tmp_path), env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["imported", str(len(modules))]
+
+
+def test_test_files_have_names_of_their_own():
+    """conftest puts every test folder on sys.path, so two test files (or helpers) of one name
+    in different folders would stop the suite's collection: every name is used once."""
+    seen = {}
+    for folder, _, files in os.walk(os.path.join(REPO_ROOT, "tests")):
+        for name in files:
+            if name.endswith(".py") and name != "__init__.py":
+                seen.setdefault(name, []).append(os.path.relpath(folder, REPO_ROOT))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}
