@@ -111,6 +111,38 @@ def arm_losses(module, batches: List[dict], seed: int, log: Callable[[str], None
                      seconds=time.time() - start)
 
 
+def warm_up_scaling(model, batch: dict, backward: bool) -> bool:
+    """Fill the amax histories of an arm's delayed-scaled operands (FP8 delayed scaling, FP8
+    attention's P and dS) from `batch`, the first micro-batch, before the arm is measured. An
+    evaluation starts without histories, and TransformerEngine's initial scale 1.0 would
+    quantize the first micro-batch as no run with histories does (in FP8 attention it flushes
+    most of dS). One pass, a forward and for gradients (`backward`) a backward too, in which
+    every delayed-scaled operand is scaled from its own amax (current scaling) and records it:
+    the measured pass over the first micro-batch is then exactly that current-scaled pass, and
+    each later micro-batch is scaled from its predecessor's amaxes. Nothing else is kept: no
+    gradients, and the stochastic-rounding streams restart when the measurement starts.
+    Returns whether the arm has delayed-scaled operands (False: nothing was run)."""
+    histories = [site.state.amax for site in model.sites if site.state.amax is not None]
+    if not histories:
+        return False
+    module = model.module
+    module.eval()
+    tokens, labels, loss_mask, attention_mask, position_ids = batch_to_device(batch, device())
+    for h in histories:
+        h.current = True
+    try:
+        with torch.enable_grad() if backward else torch.no_grad():
+            losses = module(tokens, position_ids, attention_mask, labels=labels).float()
+            if backward:
+                (torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()).backward()
+    finally:
+        for h in histories:
+            h.current = False
+        for p in module.parameters():
+            p.grad = None
+    return True
+
+
 def first_batch_logits(module, batch: dict, vocab_size: int):
     """(tokens [b, s] int64, logits [b, s, vocab] float32) of one micro-batch; the vocabulary
     padding is cut off and tensor-parallel shards gathered."""

@@ -14,7 +14,8 @@ from megatron.evaluation import gradients as grads
 from megatron.evaluation import outputs
 from megatron.analysis.intervals import paired_delta, token_quantiles
 from megatron.evaluation.losses import (
-    ArmLosses, arm_losses, first_batch_logits, repeated_sequences, validation_batches)
+    ArmLosses, arm_losses, first_batch_logits, repeated_sequences, validation_batches,
+    warm_up_scaling)
 from megatron.evaluation.operand_stats import forward_operand_stats
 from megatron.evaluation.model_state import (
     SiteSubset, layer_targets, load_model, sweep_targets, target_key)
@@ -112,6 +113,7 @@ def _evaluate(own, args, start: float) -> Dict:
     t0 = time.time()
     for i, spec in enumerate(own.schemes):
         model.quantize(arms_config[spec])
+        _warm_up(own, model, batches[0], False, spec)
         arms[spec] = arm_losses(model.module, batches, own.draw_seed, log, spec)
         base = arms[own.schemes[0]] if i else None
         doc["schemes"][spec] = _arm_summary(arms[spec], base)
@@ -139,6 +141,15 @@ def _evaluate(own, args, start: float) -> Dict:
     return doc
 
 
+def _warm_up(own, model, batch, backward: bool, label: str) -> None:
+    """Fill the arm's amax histories from the first micro-batch (losses.warm_up_scaling); said
+    once per run."""
+    if warm_up_scaling(model, batch, backward) and not getattr(own, "warm_up_said", False):
+        own.warm_up_said = True
+        log(f"{label}: delayed-scaled operands (amax histories) take their first scales from "
+            "a pass over the first micro-batch before each such arm is measured")
+
+
 def _sweep(own, model, batches, arms, base: QuantConfig) -> dict:
     """One site at a time in --sweep-scheme; deltas against the unquantized model."""
     reference_spec = next((s for s in own.schemes if s == "bf16"), None)
@@ -158,6 +169,7 @@ def _sweep(own, model, batches, arms, base: QuantConfig) -> dict:
         model.quantize(subset)
         if not any(s.config.enabled for s in model.sites):
             continue       # the sweep scheme keeps this site in high precision
+        _warm_up(own, model, batches[0], False, f"site {layer}/{label}")
         arm = arm_losses(model.module, batches, own.draw_seed, log, f"site {layer}/{label}")
         delta = paired_delta(arm.sequence_sums, reference.sequence_sums, arm.sequence_tokens)
         key = target_key(layer, label)
@@ -194,6 +206,7 @@ def _gradients(own, model, batches, arms_config) -> dict:
     t0 = time.time()
     for n, spec in enumerate(own.schemes, 1):
         model.quantize(arms_config[spec])
+        _warm_up(own, model, gb[0], True, spec)
         # The baseline's rows are kept (every other arm is compared with them); the other
         # arms stream theirs against the two references (one micro-batch's row in memory).
         against = (reference,) if baseline is None else (reference, baseline)

@@ -47,6 +47,9 @@ class AmaxHistories:
                              f"{', '.join(AMAX_COMPUTE_ALGOS)}")
         self.length, self.algo = length, algo
         self.histories: Dict[Tuple[str, str], torch.Tensor] = {}
+        # True: every step uses the operand's own amax (current scaling) and records it, to
+        # fill the histories in one pass (an evaluation's warm-up, evaluation/losses.py).
+        self.current = False
 
     def _history(self, slot, device) -> torch.Tensor:
         hist = self.histories.get(slot)
@@ -67,7 +70,7 @@ class AmaxHistories:
         used = (hist.max() if self.algo == "max" else hist[0]).clone()
         amax = _reduce_max(amax.detach().float().reshape(1))
         self.histories[slot] = torch.cat([amax, hist[:-1]])
-        return used
+        return amax[0].clone() if self.current else used
 
     def state_dict(self) -> dict:
         return {f"{gemm}.{operand}": hist.detach().cpu().tolist()

@@ -158,6 +158,33 @@ def test_same_numbers_twice_and_sr_reproducible_by_seed(trained, tmp_path):
     assert first["schemes"][forward_sr]["loss"] != other_seed["schemes"][forward_sr]["loss"]
 
 
+FP8_ATTENTION = ("bf16@fp8-format=hybrid,fp8-recipe=tensorwise,fp8-dot-product-attention,"
+                 "linear-quant=none")
+CURRENT_ATTENTION = ("bf16@fp8-format=hybrid,fp8-recipe=tensorwise,attn-qk-quant=fp8_e4m3,"
+                     "attn-pv-quant=fp8_e4m3,linear-quant=none")
+
+
+def test_delayed_scales_start_from_the_first_micro_batch(trained, tmp_path):
+    """FP8 attention quantizes P and dS with scales from amax histories, which an evaluation
+    does not have: each arm first fills them from the first micro-batch, so that one is scaled
+    from its own amaxes, as current scaling does (same formats, bit for bit), not with the
+    initial scale 1.0 (which flushes most of dS). P's amax is 1 in every micro-batch (the first
+    query sees only itself), so the losses equal current scaling's throughout; dS's history
+    then lags one micro-batch, and the later gradients differ."""
+    ckpt, _ = trained
+    doc = evaluate(ckpt, tmp_path, ["bf16", FP8_ATTENTION, CURRENT_ATTENTION],
+                   "--quant-attention-impl", "unfused", "--gradients",
+                   "--gradient-micro-batches", "2")
+    seqs = np.load(tmp_path / "sequences.npz")
+    sums = dict(zip(seqs["labels"], seqs["sums"]))
+    assert np.array_equal(sums[FP8_ATTENTION], sums[CURRENT_ATTENTION])
+    assert not np.array_equal(sums[FP8_ATTENTION], sums["bf16"])
+    rel = {arm: doc["gradients"]["schemes"][arm]["vs_fp32"]["per_micro_batch"]["rel_l2"]
+           for arm in (FP8_ATTENTION, CURRENT_ATTENTION)}
+    assert rel[FP8_ATTENTION][0] == rel[CURRENT_ATTENTION][0]
+    assert rel[FP8_ATTENTION][1] != rel[CURRENT_ATTENTION][1]
+
+
 @pytest.mark.parametrize("schemes, extra, expected", [
     (["bf16", "linear_mxfp9"], [], "'linear_mxfp9' is not a scheme"),
     (["bf16", "linear_mxfp8@mx-scale-mode=up"], [], "--schemes 'linear_mxfp8@mx-scale-mode"),
