@@ -334,6 +334,23 @@ def fmt_ci(entry, digits=3):
     return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f}±{half:.{digits}f}"
 
 
+def gradient_step_args(rest, micro_batches: int):
+    """tools/evaluate.py's model and data flags (`rest`) parsed and checked for a gradient step
+    over the first `micro_batches` validation micro-batches, with the process group made (the
+    caller destroys it)."""
+    from megatron.evaluation.cli import check_tokenizer
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.initialize import initialize_distributed
+
+    args = parse_args(rest + ["--eval-iters", str(micro_batches)])
+    args.train_iters = args.train_iters or 1
+    args.lr = 0.0 if args.lr is None else args.lr
+    args = validate_args(args)
+    check_tokenizer(args)
+    initialize_distributed(args)
+    return args
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="SPEC",
@@ -352,21 +369,13 @@ def main(argv=None):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron.evaluation.cli import check_tokenizer
     from megatron.evaluation.losses import validation_batches
     from megatron.evaluation.model_state import load_model
     from megatron.evaluation.run import _padded_vocab
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.initialize import (
-        destroy_distributed, initialize_distributed, set_random_seeds)
+    from megatron.training.initialize import destroy_distributed, set_random_seeds
     from megatron.training.tokenizer import build_tokenizer
 
-    args = parse_args(rest + ["--eval-iters", str(own.micro_batches)])
-    args.train_iters = args.train_iters or 1
-    args.lr = 0.0 if args.lr is None else args.lr
-    args = validate_args(args)
-    check_tokenizer(args)
-    initialize_distributed(args)
+    args = gradient_step_args(rest, own.micro_batches)
     try:
         set_random_seeds(args.seed)
         tokenizer = build_tokenizer(args)

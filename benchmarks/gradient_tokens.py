@@ -119,22 +119,16 @@ def main(argv=None):
 
     warnings.filterwarnings("ignore")
     from megatron.evaluation import gradients as grads
-    from megatron.evaluation.cli import check_tokenizer
     from megatron.evaluation.losses import validation_batches
     from megatron.evaluation.model_state import load_model
     from megatron.evaluation.run import _padded_vocab
     from megatron.evaluation.specs import arm_config
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.initialize import (
-        destroy_distributed, initialize_distributed, set_random_seeds)
+    from megatron.training.initialize import destroy_distributed, set_random_seeds
     from megatron.training.tokenizer import build_tokenizer
 
-    args = parse_args(rest + ["--eval-iters", str(own.micro_batches)])
-    args.train_iters = args.train_iters or 1
-    args.lr = 0.0 if args.lr is None else args.lr
-    args = validate_args(args)
-    check_tokenizer(args)
-    initialize_distributed(args)
+    from gradient_operands import gradient_step_args
+
+    args = gradient_step_args(rest, own.micro_batches)
     results = {"micro_batches": own.micro_batches, "rms_fraction": own.rms_fraction,
                "arms": {}}
     try:
