@@ -657,24 +657,34 @@ def _build_bpe_into(out_dir: Path, name: str, vocab_size: int, base_dir: Path, w
     tokenizer = bpe_tokenizer.train_bpe(bpe_tokenizer.read_jsonl_texts(jsonl), vocab_size)
     tokenizer_json = bpe_tokenizer.save_tokenizer(tokenizer, out_dir / "tokenizer.json")
     log(f"[corpus]   tokenizer trained in {time.perf_counter() - start:.1f} s")
+    return _tokenize_and_record(
+        out_dir, name, base_dir, tokenizer_json, f"{name}-bpe{vocab_size}",
+        f"tokenizer.json (byte-level BPE trained on {name}.jsonl, min pair frequency "
+        f"{bpe_tokenizer.MIN_PAIR_FREQUENCY})", workers, log, start)
+
+
+def _tokenize_and_record(out_dir: Path, name: str, base_dir: Path, tokenizer_json: Path,
+                         dataset: str, model: str, workers: int, log, start: float) -> Dict:
+    """Tokenize the base dataset's documents with `tokenizer_json` (in `out_dir`) and write
+    the derived dataset's sources.json: the base's, with what was derived and how (`model`
+    says where the tokenizer came from). Returns it."""
     tokenizer_args = {"tokenizer_type": "HuggingFaceTokenizer",
                       "tokenizer_model": str(tokenizer_json), "vocab_size": None}
     hf = HuggingFaceTokenizer(tokenizer_json)
+    jsonl = base_dir / f"{name}.jsonl"
     result = preprocess(str(jsonl), str(out_dir / name), tokenizer_args, json_keys=["text"],
                         append_eod=True, workers=workers, log=log,
                         log_interval=_progress_interval(base_dir))
     prefix = result.outputs["text"]
     meta = json.loads((base_dir / "sources.json").read_text(encoding="utf-8"))
     meta.update({
-        "dataset": f"{name}-bpe{vocab_size}",
-        "derived_from": f"{name} (same documents, same order: {base_dir / (name + '.jsonl')})",
+        "dataset": dataset,
+        "derived_from": f"{name} (same documents, same order: {jsonl})",
         "data_prefix": os.path.basename(prefix),
         "documents": result.written["text"],
         "tokens": result.tokens,
-        "tokenizer": {"type": hf.name, "model": "tokenizer.json (byte-level BPE trained on "
-                      f"{name}.jsonl, min pair frequency {bpe_tokenizer.MIN_PAIR_FREQUENCY})",
-                      "sha256": hf.sha256, "vocab_size": hf.vocab_size, "eod": hf.eod,
-                      "append_eod": True},
+        "tokenizer": {"type": hf.name, "model": model, "sha256": hf.sha256,
+                      "vocab_size": hf.vocab_size, "eod": hf.eod, "append_eod": True},
         "files_sha256": {os.path.basename(prefix + ext): file_sha256(prefix + ext)
                          for ext in (".bin", ".idx")},
         "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -787,30 +797,6 @@ def _build_tokenized_into(out_dir: Path, name: str, source: Path, base_dir: Path
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer_json = out_dir / "tokenizer.json"
     shutil.copyfile(source, tokenizer_json)
-    hf = HuggingFaceTokenizer(tokenizer_json)
-    jsonl = base_dir / f"{name}.jsonl"
-    tokenizer_args = {"tokenizer_type": "HuggingFaceTokenizer",
-                      "tokenizer_model": str(tokenizer_json), "vocab_size": None}
-    result = preprocess(str(jsonl), str(out_dir / name), tokenizer_args, json_keys=["text"],
-                        append_eod=True, workers=workers, log=log,
-                        log_interval=_progress_interval(base_dir))
-    prefix = result.outputs["text"]
-    meta = json.loads((base_dir / "sources.json").read_text(encoding="utf-8"))
-    meta.update({
-        "dataset": out_dir.name.split(".building-")[0].lstrip("."),
-        "derived_from": f"{name} (same documents, same order: {jsonl})",
-        "data_prefix": os.path.basename(prefix),
-        "documents": result.written["text"],
-        "tokens": result.tokens,
-        "tokenizer": {"type": hf.name, "model": f"tokenizer.json (a copy of {source})",
-                      "sha256": hf.sha256, "vocab_size": hf.vocab_size, "eod": hf.eod,
-                      "append_eod": True},
-        "files_sha256": {os.path.basename(prefix + ext): file_sha256(prefix + ext)
-                         for ext in (".bin", ".idx")},
-        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "build_seconds": round(time.perf_counter() - start, 2),
-    })
-    meta.pop("llama3_license_notice", None)
-    (out_dir / "sources.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n",
-                                          encoding="utf-8")
-    return meta
+    return _tokenize_and_record(
+        out_dir, name, base_dir, tokenizer_json, out_dir.name.split(".building-")[0].lstrip("."),
+        f"tokenizer.json (a copy of {source})", workers, log, start)
