@@ -22,6 +22,7 @@ iterations it already trained had the phases this run's schedule gives them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from fractions import Fraction
 from types import MappingProxyType
@@ -109,6 +110,7 @@ def describe(switches: Sequence[Switch], train_iters: int) -> str:
     return "; ".join(spans)
 
 
+@functools.lru_cache(maxsize=256)      # keyed by the (frozen) config: one per site and phase
 def phase_config(config, phase: str):
     """`config` (a MatmulQuantConfig) as `phase` runs it: unchanged when quantized; else the
     phase's GEMMs lose their formats, Hadamard transform and limited-precision accumulator
