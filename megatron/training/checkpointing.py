@@ -633,11 +633,12 @@ def _uses_delayed(quant) -> bool:
     return any(cfg.delayed(f) for cfg in quant.site_configs() for f in cfg.formats)
 
 
-def compare_run_settings(root: str, ckpt: str, args) -> List[str]:
+def compare_run_settings(root: str, ckpt: str, args, iteration: int) -> List[str]:
     """The lines a resume of `ckpt` prints about its settings; ConfigError (one line naming
     every setting that changes the numerics, checkpoint value vs this run's) unless they are
     this run's or --override-checkpoint-settings is given. Settings that do not change the
-    results (kernels, weight cache, attention path) are stated in one note."""
+    results (kernels, weight cache, attention path) are stated in one note. `iteration` is the
+    checkpoint's: the precision schedule must give the iterations up to it the same phases."""
     common = load_common_state(ckpt)
     name = os.path.basename(ckpt)
     if common.get(WEIGHTS_ONLY_KEY):
@@ -677,7 +678,7 @@ def compare_run_settings(root: str, ckpt: str, args) -> List[str]:
     elif was_file != now_file:
         stated.append(f"--quant-recipe-file {was_file} (checkpoint) vs {now_file} (this run; "
                       "the same contents)")
-    schedule_note = _compare_schedules(saved, current, _iteration_of(name), differ)
+    schedule_note = _compare_schedules(saved, current, iteration, differ)
     if saved.get("precision") != current["precision"]:
         differ.append(f"precision {saved.get('precision')} (checkpoint) vs "
                       f"{current['precision']} (this run; --bf16, --fp16 or neither)")
@@ -707,11 +708,6 @@ def compare_run_settings(root: str, ckpt: str, args) -> List[str]:
     return lines
 
 
-def _iteration_of(ckpt_name: str) -> int:
-    found = re.fullmatch(r"iter_(\d+)", ckpt_name)
-    return int(found.group(1)) if found else 0
-
-
 def _compare_schedules(saved: dict, current: dict, trained: int,
                        differ: List[str]) -> Optional[str]:
     """A resume must have run its `trained` iterations in the phases this run's schedule gives
@@ -736,7 +732,7 @@ def check_run_settings(root: str, found: Optional[Tuple[int, str]], args, log=pr
     is none), on rank 0: every rank raises the same ConfigError; rank 0's lines are logged."""
     if found is None:
         return
-    lines = _on_rank_0(lambda: compare_run_settings(root, found[1], args))
+    lines = _on_rank_0(lambda: compare_run_settings(root, found[1], args, found[0]))
     for line in lines:
         log(line)
 
