@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from megatron.quantization.config import MatmulQuantConfig
 from megatron.quantization.gemm import SiteState
-from megatron.quantization.schedule import phase_config
+from megatron.quantization.schedule import QUANTIZED, phase_config
 
 Observer = Callable[..., None]
 
@@ -45,7 +45,7 @@ class GemmSite:
     def active_config(self) -> MatmulQuantConfig:
         """The config the site runs now: `config` as the precision schedule's current phase
         runs it (schedule.py; `config` itself while quantized)."""
-        if self.state is None:
+        if self.state is None or self.state.runtime.phase == QUANTIZED:
             return self.config
         return phase_config(self.config, self.state.runtime.phase)
 
