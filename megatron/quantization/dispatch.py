@@ -9,7 +9,8 @@ Quantization (`quantize_backend`, used by `fake_quantize`):
 
     "auto"     the fused Triton kernels (megatron.quantization.kernels) for CUDA tensors when
                triton is importable and the kernels cover the call (MX formats, HiFP8, NVFP4
-               without block_2d; float32/bf16), else eager PyTorch;
+               in 1-D blocks or 16x16 tiles, FP8 per tensor or per block; float32/bf16),
+               else eager PyTorch;
     "triton"   the Triton kernels, or a ValueError naming the format, option, dtype or device
                they do not cover (CPU tensors need Triton's interpreter, TRITON_INTERPRET=1);
     "compile"  eager PyTorch through torch.compile (kernels/compiled.py; a RuntimeError rather

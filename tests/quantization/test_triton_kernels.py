@@ -219,6 +219,17 @@ def run_cases() -> dict:
             results[f"nvfp4 stochastic zeros {name} {dname}"] = _mismatch(
                 nvfp4_fake_quantize_triton(xd, 0, noise), nvfp4_fake_quantize(xd, 0, False,
                                                                                 noise, None))
+            # 16x16 tiles (weights): 2-D inputs with tails on both axes.
+            if x.dim() == 2:
+                for amax in (None, 3.0, 0.0, float("inf")):
+                    results[f"nvfp4 2-D tiles {name} {dname} amax={amax}"] = compare(
+                        xd, "nvfp4", 1, amax=amax, block_2d=True)
+                results[f"nvfp4 2-D tiles stochastic {name} {dname}"] = compare(
+                    xd, "nvfp4", 0, seed=13, block_2d=True, rounding="stochastic")
+                results[f"nvfp4 2-D tiles stochastic zeros {name} {dname}"] = _mismatch(
+                    nvfp4_fake_quantize_triton(xd, 0, noise, None, True),
+                    nvfp4_fake_quantize(xd, 0, True, noise, None))
+    results.update(fp8_cases(compare, random3d, special))
     for saturate in (False, True):
         results[f"hifp8 every bf16 saturate={saturate}"] = compare(
             every_bf16, "hifp8", saturate=saturate)
@@ -227,6 +238,39 @@ def run_cases() -> dict:
             wide_random((50, 70), seed=9), "hifp8", saturate=saturate)
         results[f"hifp8 specials saturate={saturate}"] = compare(
             special.bfloat16(), "hifp8", saturate=saturate)
+    return results
+
+
+def fp8_cases(compare, random3d, special) -> dict:
+    """FP8 E4M3/E5M2: current scaling (NaN/Inf tensors all NaN), delayed scaling from an
+    imposed amax (0, tiny, Inf, NaN: the scale's special cases), margins and power-of-two
+    scales, 1x128 blocks along every axis (tails), 128x128 tiles of 2-D inputs larger than one
+    tile, stochastic rounding."""
+    results = {}
+    tiles = wide_random((200, 150), seed=14)
+    tiles[130:140, 10] = float("inf")                  # one tile NaN, the others not
+    inputs = {"random3d": random3d, "specials": special, "tiles": tiles,
+              "tiny": wide_random((20, 40), seed=15) * 1e-37}
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        for name, x in inputs.items():
+            for dname, dtype in DTYPES.items():
+                xd = x.to(dtype)
+                for amax in (None, 3.0, 1e-30, 0.0, float("inf"), float("nan")):
+                    for margin, pow2 in ((0, False), (2, True), (-1.5, False)):
+                        results[f"{fmt} tensor {name} {dname} amax={amax} margin={margin} "
+                                f"pow2={pow2}"] = compare(xd, fmt, scaling="tensor", amax=amax,
+                                                          margin=margin, pow2_scale=pow2)
+                for axis in range(x.dim()):
+                    for pow2 in (False, True):
+                        results[f"{fmt} 1x128 {name} {dname} axis={axis} pow2={pow2}"] = compare(
+                            xd, fmt, axis, scaling="block", block=(1, 128), pow2_scale=pow2)
+                if x.dim() == 2:
+                    results[f"{fmt} 128x128 {name} {dname}"] = compare(
+                        xd, fmt, scaling="block", block=(128, 128), margin=1)
+                results[f"{fmt} tensor stochastic {name} {dname}"] = compare(
+                    xd, fmt, scaling="tensor", seed=16, rounding="stochastic")
+                results[f"{fmt} 1x128 stochastic {name} {dname}"] = compare(
+                    xd, fmt, 0, scaling="block", seed=17, rounding="stochastic")
     return results
 
 
@@ -259,9 +303,31 @@ def test_mx_stochastic_kernel_is_bit_exact(kernel_results, group, count):
 
 
 def test_nvfp4_kernel_is_bit_exact(kernel_results):
-    cases = {k: v for k, v in kernel_results.items() if k.startswith("nvfp4 ")}
+    cases = {k: v for k, v in kernel_results.items()
+             if k.startswith("nvfp4 ") and not k.startswith("nvfp4 2-D tiles ")}
     # 5 inputs (one 3-D, four 2-D) x 2 dtypes x (axes x (5 amax + stochastic) + zero noise)
     assert len(cases) == 2 * ((3 + 4 * 2) * 6 + 5)
+    failures = {k: v for k, v in cases.items() if v is not None}
+    assert not failures, failures
+
+
+def test_nvfp4_2d_tile_kernel_is_bit_exact(kernel_results):
+    cases = {k: v for k, v in kernel_results.items() if k.startswith("nvfp4 2-D tiles ")}
+    # four 2-D inputs x 2 dtypes x (4 amax + stochastic + zero noise)
+    assert len(cases) == 4 * 2 * 6
+    failures = {k: v for k, v in cases.items() if v is not None}
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("scaling, count", [
+    ("tensor", 2 * 4 * 2 * (6 * 3 + 1)),          # formats x inputs x dtypes x (amax x margin
+    ("1x128", 2 * 2 * (3 + 2 + 2 + 2) * 2 + 2 * 4 * 2),   # + stochastic); axes x pow2 + SR
+    ("128x128", 2 * 3 * 2),                        # the 2-D inputs
+])
+def test_fp8_kernel_is_bit_exact(kernel_results, scaling, count):
+    cases = {k: v for k, v in kernel_results.items()
+             if k.startswith("fp8_") and k.split()[1] == scaling}
+    assert len(cases) == count
     failures = {k: v for k, v in cases.items() if v is not None}
     assert not failures, failures
 
@@ -322,8 +388,7 @@ def test_auto_mode_on_cpu_is_eager(no_interpreter, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt, options, dtype, message", [
-    ("nvfp4", {"block_2d": True}, torch.float32, "block_2d=True"),
-    ("fp8_e4m3", {}, torch.float32, "format 'fp8_e4m3'"),
+    ("nvfp4", {"four_over_six": "mae"}, torch.float32, "NVFP4 4/6"),
     ("bf16", {}, torch.float32, "format 'bf16'"),
     ("mxfp8", {}, torch.float16, "dtype torch.float16"),
     ("hifp8", {}, torch.float64, "dtype torch.float64"),

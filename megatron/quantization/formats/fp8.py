@@ -144,7 +144,13 @@ def _round_to_f32(value: float) -> float:
     return math.copysign(math.inf if rounded > FLT_MAX else rounded, value)
 
 
-def _scaled_max(fp8_max: float, margin: float) -> float:
+def block_value_for_inf(dtype: torch.dtype) -> float:
+    """The scale blockwise scaling uses where fp8_max / amax overflows float32 (see
+    _BLOCK_VALUE_FOR_INF)."""
+    return _BLOCK_VALUE_FOR_INF[dtype]
+
+
+def scaled_max(fp8_max: float, margin: float) -> float:
     """f32(fp8_max * f32(2**-margin)): TE's `fp8_max * pow(2, -margin)` in float32.
 
     Exact for integer margins in [-120, 120] (a power of two times 448 or 57344); past the
@@ -160,7 +166,7 @@ def _scales_from_amax(amax: torch.Tensor, fp8_max: float, margin: float, pow2_sc
     The division is a float32 tensor division (IEEE, correctly rounded), never
     `python_number / tensor` (which torch evaluates as reciprocal * number: two roundings).
     """
-    scale = torch.full_like(amax, _scaled_max(fp8_max, margin)).div_(amax)
+    scale = torch.full_like(amax, scaled_max(fp8_max, margin)).div_(amax)
     scale = torch.where(scale == math.inf, value_for_inf, scale)
     usable = (amax > 0) & (amax < math.inf)      # False for 0, negative, Inf and NaN
     scale = torch.where(usable, scale, 1.0)

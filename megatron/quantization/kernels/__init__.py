@@ -1,21 +1,26 @@
 """Fused Triton quantize-dequantize kernels, bit for bit equal to the eager formats package.
 
-One kernel per format family; each reads every element once and writes it once. The kernels
-compute with integer operations on the float bits only (no float arithmetic that a GPU could
-flush to zero or fuse), so the same code gives the same bits on a GPU and under Triton's
-interpreter (TRITON_INTERPRET=1, on the CPU), where the tests run it.
+One kernel per format family; each reads every element once and writes it once (per-tensor
+scales add one reading pass: the amax kernel). The kernels compute with integer operations on
+the float bits (the few float operations are single IEEE roundings: products and correctly
+rounded divisions, no sums a GPU could fuse), so the same code gives the same bits on a GPU
+and under Triton's interpreter (TRITON_INTERPRET=1, on the CPU), where the tests run it. The
+launch does nothing else on the host: no copies, casts, views or 0-d scale arithmetic (the
+per-tensor scales are computed in the kernels).
 
-Covered, for float32 and bf16 inputs:
+Covered, for float32 and bf16 inputs, with round to nearest or stochastic rounding (the
+kernel reads the uniform numbers eager draws from the caller's generator, so the bits are the
+same):
 - the MX formats (MXFP8 E4M3/E5M2, MXFP6 E2M3/E3M2, MXFP4 E2M1), every scale rule
-  (floor, rceil, ceil, even), any block axis, round to nearest or stochastic rounding (the
-  kernel reads the uniform numbers eager draws from the caller's generator, so the bits are
-  the same);
+  (floor, rceil, ceil, even), any block axis;
 - HiFP8 (plain cast and saturating);
-- NVFP4 with 16-element blocks along any axis, either rounding, its own or an imposed tensor
-  amax (the 0-d tensor scales are computed by the eager ops before the launch).
-Everything else (NVFP4's 16x16 tiles, block_2d; the FP8 formats; bf16/fp16 pass-through;
-float16/float64 inputs) is reported as not covered by `unsupported_reason`, and the caller
-falls back to the eager implementation (megatron.quantization.dispatch decides).
+- NVFP4 with 16-element blocks along any axis or 16x16 tiles (block_2d), its own or an
+  imposed tensor amax;
+- FP8 E4M3/E5M2 with per-tensor current or delayed scaling, or 1x128 / 128x128 blocks, any
+  margin, power-of-two scales or not.
+NVFP4's 4/6 and row scaling, bf16/fp16 pass-through and float16/float64 inputs are reported
+as not covered by `unsupported_reason`, and the caller falls back to the eager implementation
+(megatron.quantization.dispatch decides).
 
 Triton is optional: importing this package does not import it; `triton_available()` says
 whether it can be imported.
@@ -30,7 +35,7 @@ from typing import Optional
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-KERNEL_KINDS = ("mx", "hifp8", "nvfp4")
+KERNEL_KINDS = ("mx", "hifp8", "nvfp4", "fp8")
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,11 +57,11 @@ def interpreter_enabled() -> bool:
 
 def unsupported_reason(kind: str, fmt: str, dtype: torch.dtype, rounding: str,
                        block_2d: bool = False) -> Optional[str]:
-    """Why the kernels do not cover this call (None when they do)."""
+    """Why the kernels do not cover this call (None when they do). block_2d (NVFP4's 16x16
+    tiles) is covered; the argument stays for callers that pass it."""
     if kind not in KERNEL_KINDS:
-        return f"format {fmt!r} (the Triton kernels cover the MX formats, hifp8 and nvfp4)"
-    if block_2d:
-        return "block_2d=True (the nvfp4 kernel takes 1-D blocks of 16)"
+        return (f"format {fmt!r} (the Triton kernels cover the MX formats, hifp8, nvfp4 and "
+                "fp8)")
     if rounding not in ("nearest", "stochastic"):
         return f"rounding={rounding!r}"
     if dtype not in KERNEL_DTYPES:
@@ -79,7 +84,12 @@ def triton_fake_quantize(x: torch.Tensor, call, noise: Optional[torch.Tensor]) -
     (formats.QuantizeCall) that unsupported_reason and device_reason accept."""
     if call.kind == "nvfp4":
         from megatron.quantization.kernels.nvfp4 import nvfp4_fake_quantize_triton
-        return nvfp4_fake_quantize_triton(x, call.axis, noise, call.amax)
+        return nvfp4_fake_quantize_triton(x, call.axis, noise, call.amax, call.block_2d)
+    if call.kind == "fp8":
+        from megatron.quantization.kernels.fp8 import fp8_fake_quantize_triton
+        _, scaling, margin, pow2_scale, block, _ = call.options
+        return fp8_fake_quantize_triton(x, call.fmt, call.axis, scaling, call.amax, margin,
+                                        pow2_scale, block, noise)
     if call.kind == "hifp8":
         from megatron.quantization.kernels.hifp8 import hifp8_fake_quantize_triton
         return hifp8_fake_quantize_triton(x, call.saturate)

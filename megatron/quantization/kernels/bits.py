@@ -8,6 +8,8 @@ integer q, which `pack` turns back into float32 bits.
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
 
@@ -30,13 +32,40 @@ def block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_: tl.constexpr,
 
 
 @triton.jit
+def tile_offsets(n_tiles, rows, cols, tiles_per_row, GROUP_: tl.constexpr, TILE: tl.constexpr):
+    """(offsets, mask), each [GROUP_, TILE * TILE]: this program's GROUP_ square tiles of a
+    row-major 2-D [rows, cols] tensor (tiles numbered along the rows; partial edge tiles
+    masked), one tile per row of the result."""
+    tile = tl.program_id(0).to(tl.int64) * GROUP_ + tl.arange(0, GROUP_)
+    i = tl.arange(0, TILE * TILE)
+    r = (tile // tiles_per_row)[:, None] * TILE + (i // TILE)[None, :]
+    c = (tile % tiles_per_row)[:, None] * TILE + (i % TILE)[None, :]
+    mask = (tile < n_tiles)[:, None] & (r < rows) & (c < cols)
+    return r * cols + c, mask
+
+
+@triton.jit
 def load_bits(ptr, offs, mask, IS_BF16: tl.constexpr):
-    """float32 bit patterns (int32) of the float32 or bf16 (read as int16) values at offs."""
+    """float32 bit patterns (int32) of the float32 or bf16 values at offs (bf16: its 16 bits
+    are the high half). The tensors are passed as they are: the bits are read in the kernel,
+    so the launch needs no reinterpreting views."""
     if IS_BF16:
-        u = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) << 16
+        v = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+        u = v.to(tl.int32) << 16
     else:
-        u = tl.load(ptr + offs, mask=mask, other=0)
+        u = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.int32, bitcast=True)
     return u
+
+
+@triton.jit
+def load_noise(ptr, offs, mask, STOCHASTIC: tl.constexpr):
+    """The float32 bits (int32) of the uniform [0, 1) numbers of stochastic rounding at offs
+    (1.0, which never rounds up, where masked); 0 for round to nearest."""
+    if STOCHASTIC:
+        noise = tl.load(ptr + offs, mask=mask, other=1.0).to(tl.int32, bitcast=True)
+    else:
+        noise = 0
+    return noise
 
 
 @triton.jit
@@ -46,9 +75,10 @@ def store_bits(ptr, offs, mask, bits, IS_BF16: tl.constexpr):
         mag = bits & 0x7FFFFFFF
         rounded = (mag + (0x7FFF + ((mag >> 16) & 1))) >> 16
         rounded = tl.where(mag > 0x7F800000, mag >> 16, rounded)
-        tl.store(ptr + offs, (rounded | ((bits >> 31) << 15)).to(tl.int16), mask=mask)
+        half = (rounded | ((bits >> 31) << 15)).to(tl.int16)
+        tl.store(ptr + offs, half.to(tl.bfloat16, bitcast=True), mask=mask)
     else:
-        tl.store(ptr + offs, bits, mask=mask)
+        tl.store(ptr + offs, bits.to(tl.float32, bitcast=True), mask=mask)
 
 
 @triton.jit
@@ -119,3 +149,20 @@ def pack(q, s):
     res = tl.where(rexp >= -126, normal, sub)
     res = tl.where(rexp > 127, 0x7F800000, res)
     return tl.where(q == 0, 0, res)
+
+
+def axis_blocks(shape, axis: int, size: int):
+    """(n_blocks, length, inner, blocks_per_row) of blocks of `size` along `axis` of a
+    contiguous tensor of `shape` viewed as [outer, length, inner] (block_offsets' arguments)."""
+    length = shape[axis]
+    inner = math.prod(shape[axis + 1:])
+    blocks_per_row = -(-length // size)
+    return math.prod(shape[:axis]) * blocks_per_row * inner, length, inner, blocks_per_row
+
+
+def square_tiles(shape, size: int):
+    """(n_tiles, rows, cols, tiles_per_row) of size x size tiles of a 2-D tensor of `shape`
+    (tile_offsets' arguments)."""
+    rows, cols = shape
+    tiles_per_row = -(-cols // size)
+    return -(-rows // size) * tiles_per_row, rows, cols, tiles_per_row

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron.quantization.kernels.bits import load_bits, store_bits
+
 BLOCK = 2048
 
 
@@ -24,10 +26,7 @@ def _hifp8_qdq_kernel(x_ptr, y_ptr, numel, SATURATE: tl.constexpr, IS_BF16: tl.c
                       BLOCK_: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < numel
-    if IS_BF16:
-        u = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32) << 16
-    else:
-        u = tl.load(x_ptr + offs, mask=mask, other=0)
+    u = load_bits(x_ptr, offs, mask, IS_BF16)
     mag = u & 0x7FFFFFFF
     bexp = mag >> 23
     sig = (mag & 0x7FFFFF) | 0x800000
@@ -47,10 +46,7 @@ def _hifp8_qdq_kernel(x_ptr, y_ptr, numel, SATURATE: tl.constexpr, IS_BF16: tl.c
         res = tl.where(over, 0x7F800000, res)
     res = tl.where(res != 0, res | ((u >> 31) << 31), 0)   # x's sign; -0 -> +0
     res = tl.where(mag > 0x7F800000, 0x7FC00000, res)      # NaN
-    if IS_BF16:
-        tl.store(y_ptr + offs, (res >> 16).to(tl.int16), mask=mask)
-    else:
-        tl.store(y_ptr + offs, res, mask=mask)
+    store_bits(y_ptr, offs, mask, res, IS_BF16)            # bf16: exact, the high half
 
 
 def hifp8_fake_quantize_triton(x: torch.Tensor, saturate: bool) -> torch.Tensor:
@@ -61,8 +57,7 @@ def hifp8_fake_quantize_triton(x: torch.Tensor, saturate: bool) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    view = torch.int16 if x.dtype == torch.bfloat16 else torch.int32
     _hifp8_qdq_kernel[(triton.cdiv(x.numel(), BLOCK),)](
-        x.view(view), y.view(view), x.numel(), SATURATE=bool(saturate),
+        x, y, x.numel(), SATURATE=bool(saturate),
         IS_BF16=x.dtype == torch.bfloat16, BLOCK_=BLOCK)
     return y

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from megatron.quantization.formats.common import FORMAT_INFO, MX_BLOCK_SIZE
 from megatron.quantization.kernels.bits import (
-    block_offsets, load_bits, pack, round_to_grid, store_bits)
+    axis_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, store_bits)
 
 GROUP = 64          # blocks of 32 per program: 2048 elements
 
@@ -71,10 +71,7 @@ def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_
                    STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
     offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 32)
     u = load_bits(x_ptr, offs, mask, IS_BF16)
-    if STOCHASTIC:
-        noise = tl.load(noise_ptr + offs, mask=mask, other=0x3F800000)   # float32 bits
-    else:
-        noise = 0
+    noise = load_noise(noise_ptr, offs, mask, STOCHASTIC)
     res = mx_quantize_blocks(u, noise, EMAX, EMIN, MBITS, TOP_SIG, BUMP_ABOVE, STOCHASTIC)
     store_bits(y_ptr, offs, mask, res, IS_BF16)
 
@@ -122,16 +119,9 @@ def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: st
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    length = x.shape[axis]
-    inner = math.prod(x.shape[axis + 1:])
-    outer = math.prod(x.shape[:axis])
-    blocks_per_row = -(-length // MX_BLOCK_SIZE)
-    n_blocks = outer * blocks_per_row * inner
-    view = torch.int16 if x.dtype == torch.bfloat16 else torch.int32
-    grid = (triton.cdiv(n_blocks, GROUP),)
-    noise_arg = x.view(view) if noise is None else noise.contiguous().view(torch.int32)
-    _mx_qdq_kernel[grid](x.view(view), noise_arg, y.view(view), n_blocks, length, inner,
-                         blocks_per_row, STOCHASTIC=noise is not None,
-                         IS_BF16=x.dtype == torch.bfloat16, GROUP_=GROUP,
-                         **format_constants(fmt, scale_mode))
+    n_blocks, length, inner, blocks_per_row = axis_blocks(x.shape, axis, MX_BLOCK_SIZE)
+    _mx_qdq_kernel[(triton.cdiv(n_blocks, GROUP),)](
+        x, x if noise is None else noise.contiguous(), y, n_blocks, length, inner,
+        blocks_per_row, STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16,
+        GROUP_=GROUP, **format_constants(fmt, scale_mode))
     return y

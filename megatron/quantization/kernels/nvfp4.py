@@ -1,24 +1,27 @@
-"""NVFP4 quantize-dequantize in one Triton kernel (16-element blocks along any axis).
+"""NVFP4 quantize-dequantize in one Triton kernel: 16-element blocks along any axis, or the
+16x16 tiles of a 2-D weight (block_2d).
 
-The sequence of formats/nvfp4.py, step for step: the tensor scales (steps 1-3: s_enc, s_dec,
-and whether the tensor amax is finite) are the eager float32 ops on 0-d tensors, computed
-before the launch (no host sync); the kernel reads them and does, per block, in float32 with
-one rounding per operation as eager does:
+The sequence of formats/nvfp4.py, step for step. The tensor amax comes from the amax kernel
+(kernels/amax.py) as float32 bits, or is the caller's imposed 0-d tensor; the tensor scales
+(steps 2-3) are computed in the kernel from it, so no 0-d tensor arithmetic runs on the host.
+Per program (the scalar steps) and per block, in float32 with one rounding per operation as
+eager does:
 
+    s_enc = min(2688 / amax, FLT_MAX), 1 where amax == 0 or s_enc == 0;  s_dec = 1 / s_enc
+                                                       (correctly rounded divisions)
     S = amax_b * f32(s_enc * f32(1/6));  s = E4M3(S)  (nearest even, subnormals, <= 448)
-    enc = min(1 / f32(s * s_dec), FLT_MAX)             (a correctly rounded division)
+    enc = min(1 / f32(s * s_dec), FLT_MAX)
     v = clamp(x * enc, -6, 6);  q = E2M1(v)            (nearest even, or stochastic)
     y = q * f32(f32(s * amax) * f32(1/2688))
 
 The two grid roundings are the integer ones of bits.round_to_grid; a tensor holding NaN or
 Inf (or a non-finite imposed amax) comes out all NaN. The float products are IEEE float32
-multiplications (Triton keeps float32 subnormals in them on NVIDIA GPUs; the division is
+multiplications (Triton keeps float32 subnormals in them on NVIDIA GPUs; the divisions are
 launched without libdevice's flush-to-zero).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -26,29 +29,44 @@ import triton
 import triton.language as tl
 
 from megatron.quantization.formats.common import NVFP4_BLOCK_SIZE
-from megatron.quantization.formats.nvfp4 import (
-    ONE_OVER_2688_F32, FLT_MAX, ONE_SIXTH_F32, tensor_scales)
+from megatron.quantization.formats.nvfp4 import ONE_OVER_2688_F32, FLT_MAX, ONE_SIXTH_F32
+from megatron.quantization.kernels.amax import amax_bits
 from megatron.quantization.kernels.bits import (
-    block_offsets, load_bits, pack, round_to_grid, store_bits)
+    axis_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, square_tiles,
+    store_bits, tile_offsets)
 
 GROUP = 128         # blocks of 16 per program: 2048 elements
+GROUP_2D = 8        # 16x16 tiles per program: 2048 elements
 # The float32 constants as the kernel writes them (Python floats that are float32 values).
 _FLT_MAX = 3.4028234663852886e38
 _RECIP_2688 = 0.00037202381645329297
-assert _FLT_MAX == FLT_MAX and _RECIP_2688 == ONE_OVER_2688_F32
+_ONE_SIXTH = 0.1666666716337204
+assert _FLT_MAX == FLT_MAX and _RECIP_2688 == ONE_OVER_2688_F32 and _ONE_SIXTH == ONE_SIXTH_F32
 
 
 @triton.jit
-def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, scales_ptr, n_blocks, length, inner,
-                      blocks_per_row, STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr,
-                      GROUP_: tl.constexpr):
-    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 16)
+def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_bits_ptr, imposed_ptr, n_blocks, length,
+                      inner, blocks_per_row, IMPOSED: tl.constexpr, TILE_2D: tl.constexpr,
+                      STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
+    if TILE_2D:     # n_blocks tiles of [length rows, inner columns]; blocks_per_row per row
+        offs, mask = tile_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 16)
+    else:
+        offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 16)
     u = load_bits(x_ptr, offs, mask, IS_BF16)
 
-    per_unit = tl.load(scales_ptr)          # f32(s_enc * f32(1/6))
-    s_dec = tl.load(scales_ptr + 1)
-    amax_t = tl.load(scales_ptr + 2)
-    finite = tl.load(scales_ptr + 3) != 0.0
+    # Steps 1-3 (formats.nvfp4.tensor_scales): the same scalars in every program.
+    data_bits = tl.load(amax_bits_ptr)
+    finite = data_bits < 0x7F800000
+    if IMPOSED:
+        amax_t = tl.load(imposed_ptr)
+        finite = finite & ((amax_t.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000)
+    else:
+        amax_t = data_bits.to(tl.float32, bitcast=True)
+    s_enc = tl.math.div_rn(tl.full([], 2688.0, tl.float32), amax_t)
+    s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
+    s_enc = tl.where((amax_t == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    s_dec = tl.math.div_rn(tl.full([], 1.0, tl.float32), s_enc)
+    per_unit = s_enc * 0.1666666716337204                              # f32(1/6)
 
     amax_b = tl.max(u & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
     big = (amax_b * per_unit).to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -62,10 +80,7 @@ def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, scales_ptr, n_blocks, length, inn
     v = u.to(tl.float32, bitcast=True) * enc[:, None]
     v = tl.minimum(tl.maximum(v, -6.0), 6.0)
     vbits = v.to(tl.int32, bitcast=True)
-    if STOCHASTIC:
-        noise = tl.load(noise_ptr + offs, mask=mask, other=0x3F800000)
-    else:
-        noise = 0
+    noise = load_noise(noise_ptr, offs, mask, STOCHASTIC)
     q, qe = round_to_grid(vbits & 0x7FFFFFFF, 0, noise, 0, 1, 3, 2, STOCHASTIC)   # E2M1
     qv = (pack(q, qe) | ((vbits >> 31) << 31)).to(tl.float32, bitcast=True)
     y = (qv * dec[:, None]).to(tl.int32, bitcast=True)
@@ -74,31 +89,28 @@ def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, scales_ptr, n_blocks, length, inn
 
 
 def nvfp4_fake_quantize_triton(x: torch.Tensor, axis: int, noise: Optional[torch.Tensor] = None,
-                               amax: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fake_quantize(x, "nvfp4", axis, amax=amax) (1-D blocks) by the Triton kernel.
+                               amax: Optional[torch.Tensor] = None,
+                               block_2d: bool = False) -> torch.Tensor:
+    """fake_quantize(x, "nvfp4", axis, block_2d=block_2d, amax=amax) by the Triton kernel.
 
-    x: float32 or bf16; axis normalised; noise: None or eager's uniform [0, 1) float32 numbers
-    of x's shape (stochastic rounding); amax: None or an imposed 0-d float32 tensor amax."""
+    x: float32 or bf16 (2-D for block_2d); axis normalised (ignored for block_2d); noise: None
+    or eager's uniform [0, 1) float32 numbers of x's shape (stochastic rounding); amax: None
+    or an imposed 0-d float32 tensor amax on x's device."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"the NVFP4 Triton kernel takes float32 or bfloat16, got {x.dtype}")
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    # max |x| without a |x| temporary: NaN if any NaN, else Inf if any Inf (abs: max(0, -0)
-    # may be -0).
-    data_amax = torch.maximum(x.amax(), x.amin().neg()).abs().float()
-    amax, s_enc, s_dec, finite = tensor_scales(data_amax, amax)
-    scales = torch.stack([s_enc * ONE_SIXTH_F32, s_dec, amax, finite.float()]).float()
-    length = x.shape[axis]
-    inner = math.prod(x.shape[axis + 1:])
-    outer = math.prod(x.shape[:axis])
-    blocks_per_row = -(-length // NVFP4_BLOCK_SIZE)
-    n_blocks = outer * blocks_per_row * inner
-    view = torch.int16 if x.dtype == torch.bfloat16 else torch.int32
-    noise_arg = x.view(view) if noise is None else noise.contiguous().view(torch.int32)
-    _nvfp4_qdq_kernel[(triton.cdiv(n_blocks, GROUP),)](
-        x.view(view), noise_arg, y.view(view), scales, n_blocks, length, inner, blocks_per_row,
-        STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16, GROUP_=GROUP,
+    data_amax = amax_bits(x)
+    if block_2d:
+        layout, group = square_tiles(x.shape, NVFP4_BLOCK_SIZE), GROUP_2D
+    else:
+        layout, group = axis_blocks(x.shape, axis, NVFP4_BLOCK_SIZE), GROUP
+    _nvfp4_qdq_kernel[(triton.cdiv(layout[0], group),)](
+        x, x if noise is None else noise.contiguous(), y, data_amax,
+        data_amax if amax is None else amax, *layout, IMPOSED=amax is not None,
+        TILE_2D=bool(block_2d), STOCHASTIC=noise is not None,
+        IS_BF16=x.dtype == torch.bfloat16, GROUP_=group,
         enable_reflect_ftz=False)      # div_rn keeps float32 subnormals, as eager does
     return y
