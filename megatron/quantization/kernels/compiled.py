@@ -13,6 +13,13 @@ imposed amax or not, FP8 scaling options), times Dynamo's specialisation of size
 torch._dynamo.config.recompile_limit (8) graphs of a function; the compiled calls instead run
 under a patch of their own (not the user's other code) that allows COMPILED_GRAPH_LIMIT
 graphs per kind and raises past it, as it raises on a compilation error or graph break.
+
+The graphs go through Inductor set to divide as eager does (_EAGER_NUMERICS), with
+torch.reciprocal rewritten as a division (_inductor): Inductor up to torch 2.11 lowers
+reciprocal to `1 / x` outside the correctly rounded division, and in Triton that is an
+approximation, off by an ulp at times. The NVFP4 and FP8 scales are reciprocals; one ulp
+moves a value sitting on an E2M1 rounding tie (dgrad's bf16 gradients hold such values), so a
+CUDA graph gave 1.5 where eager gives 2.
 """
 
 from __future__ import annotations
@@ -47,6 +54,31 @@ COMPILED_GRAPH_LIMIT = 64
 # default is an approximation; the NVFP4 and FP8 scales are quotients).
 _EAGER_NUMERICS = MappingProxyType({"emulate_precision_casts": True,
                                     "eager_numerics.division_rounding": True})
+
+
+def _reciprocal_as_division(x: torch.Tensor):
+    """aten.reciprocal as 1 / x, a true division: under division_rounding Inductor's Triton
+    code divides correctly rounded (div_rn) as eager does, while its own lowering of
+    reciprocal (torch <= 2.11) is Triton's approximate `1 / x`."""
+    if not x.is_floating_point():
+        return NotImplemented
+    return torch.div(torch.ones_like(x), x)
+
+
+def _inductor(graph, example_inputs):
+    """The torch.compile backend: Inductor with _EAGER_NUMERICS and reciprocals as divisions.
+
+    Division by a constant stays a hazard on the GPU: Inductor's lowering turns it into a
+    multiplication by the reciprocal there (not on the CPU). No format the graphs cover divides
+    by a constant (test_compiled_tensor_scales.py checks the graphs for both)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = dict(select_decomp_table())
+    table[torch.ops.aten.reciprocal.default] = _reciprocal_as_division
+    return compile_fx(graph, example_inputs, config_patches=dict(_EAGER_NUMERICS),
+                      decompositions=table)
+
 
 # How the compiled graphs take their input (see _graph_input).
 _BLOCKS, _TILES, _FLAT = "blocks", "tiles", "flat"
@@ -138,7 +170,7 @@ def _compiled_impl(kind: str):
     name = f"fake_quantize_{kind}"
     code = _compiled_body.__code__.replace(co_name=name, co_qualname=name)
     body = types.FunctionType(code, _compiled_body.__globals__, name)
-    return torch.compile(body, dynamic=True, fullgraph=True, options=dict(_EAGER_NUMERICS))
+    return torch.compile(body, backend=_inductor, dynamic=True, fullgraph=True)
 
 
 @functools.lru_cache(maxsize=None)
