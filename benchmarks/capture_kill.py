@@ -83,6 +83,7 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 from megatron.analysis.pipeline import Options, analyze  # noqa: E402
 from megatron.tensor_capture import format as capture_format  # noqa: E402
 from megatron.tensor_capture.load import RecordError, load_record  # noqa: E402
+from megatron.training.child_env import with_repository_path  # noqa: E402
 from megatron.training import checkpointing, corpora  # noqa: E402
 from megatron.training.checkpoint_files import (  # noqa: E402
     check_files, read_checksums, verify_checkpoint)
@@ -154,8 +155,9 @@ _groups: List[int] = []           # process groups started here, ended on the wa
 
 
 def child_env(threads: int = 1) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS=str(threads))
+    env = with_repository_path(REPO_ROOT, OMP_NUM_THREADS=str(threads))
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
     return env
 
 

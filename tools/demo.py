@@ -24,6 +24,8 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from megatron.training.child_env import with_repository_path  # noqa: E402
+
 DEFAULT_SCHEMES = ("bf16", "FA_linear_mxfp8", "FA_linear_mxfp4")
 
 
@@ -55,7 +57,7 @@ def run_logged(cmd, log_path):
     """Run `cmd`, echoing its output to the terminal and to `log_path`; raise on failure."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+                                env=with_repository_path(REPO_ROOT))
         for line in proc.stdout:
             log.write(line)
             if "lm loss" in line or "error" in line.lower() or "capture" in line \
@@ -118,7 +120,7 @@ def main(argv=None):
                     "--tensor-dir", tensors, "--output-dir", report, "--no-progress",
                     "--loss-logs", *loss_logs,
                     "--tensorboard-dir", os.path.join(out, "tensorboard")], check=True,
-                   env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+                   env=with_repository_path(REPO_ROOT))
     print(f"\n[demo] finished in {(time.time() - start) / 60:.1f} min")
     print(f"  training logs : {logs}")
     print(f"  checkpoints   : {ckpts}")

@@ -28,6 +28,8 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from megatron.training.child_env import with_repository_path  # noqa: E402
+
 from megatron.evaluation import claims  # noqa: E402
 
 
@@ -83,7 +85,7 @@ def stream(cmd, log_path: str, echo, env=None) -> None:
     failure naming the log."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, PYTHONPATH=REPO_ROOT, **(env or {})))
+                                env=with_repository_path(REPO_ROOT, **(env or {})))
         for line in proc.stdout:
             log.write(line)
             log.flush()
