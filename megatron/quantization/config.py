@@ -632,7 +632,8 @@ class BackendSettings(Settings):
         "auto", flag="--quant-kernels",
         help="How fake quantization runs (bit for bit the same quantized operands in every "
              "mode): auto (default: fused Triton kernels for CUDA tensors where triton is "
-             "installed and covers the call -- MX formats, HiFP8, NVFP4; fp32/bf16 operands -- "
+             "installed and covers the call -- MX formats, HiFP8, NVFP4, FP8; fp32/bf16 "
+             "operands -- "
              "and the fused quantized-attention kernels where they cover the attention GEMMs' "
              "formats; eager PyTorch and the chunked attention elsewhere), triton (the Triton "
              "kernels, an error for anything they do not cover; on CPU tensors under "

@@ -20,6 +20,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from megatron.quantization.formats import fp8_amax
+
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 
@@ -46,44 +48,77 @@ class AmaxHistories:
             raise ValueError(f"unknown amax compute algorithm {algo!r}; valid: "
                              f"{', '.join(AMAX_COMPUTE_ALGOS)}")
         self.length, self.algo = length, algo
-        self.histories: Dict[Tuple[str, str], torch.Tensor] = {}
+        self.histories: Dict[Tuple[str, str], torch.Tensor] = {}     # ring buffers
+        self.newest: Dict[Tuple[str, str], int] = {}
         # True: every step uses the operand's own amax (current scaling) and records it, to
         # fill the histories in one pass (an evaluation's warm-up, evaluation/losses.py).
         self.current = False
 
-    def _history(self, slot, device) -> torch.Tensor:
-        hist = self.histories.get(slot)
-        if hist is None:
-            hist = self.histories[slot] = torch.zeros(self.length, dtype=torch.float32,
+    def _ring(self, slot, device) -> torch.Tensor:
+        """slot's history as a ring buffer: the newest entry at self.newest[slot], older ones
+        after it (cyclically), so that a step writes one entry instead of shifting them all."""
+        ring = self.histories.get(slot)
+        if ring is None:
+            ring = self.histories[slot] = torch.zeros(self.length, dtype=torch.float32,
                                                       device=device)
-        return hist
+            self.newest[slot] = 0
+        return ring
 
-    def step(self, slot: Tuple[str, str], x: torch.Tensor) -> torch.Tensor:
-        """The amax (0-d float32) `slot`'s scale uses now; then x's amax joins the history."""
-        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-        return self.step_with(slot, amax)
+    def step(self, slot: Tuple[str, str], x: torch.Tensor, amax_into=None) -> torch.Tensor:
+        """The amax (0-d float32) `slot`'s scale uses now; then x's amax joins the history.
+
+        amax_into(x, out) writes max |x| into `out`, the history's new one-element entry (a
+        kernel can reduce into it directly: no temporary, no copy); by default the eager
+        reduction (NaN if x holds a NaN, else Inf if it holds an Inf)."""
+        ring = self._ring(slot, x.device)
+        used = self._used(slot, ring)
+        entry = self._push(slot, ring)
+        if x.numel() == 0:
+            entry.zero_()
+        elif amax_into is None:
+            entry.copy_(fp8_amax(x.detach()))
+        else:
+            amax_into(x.detach(), entry)
+        _reduce_max(entry)
+        return entry[0].clone() if self.current else used
 
     def step_with(self, slot: Tuple[str, str], amax: torch.Tensor) -> torch.Tensor:
         """step() for an operand whose amax is given (one seen in pieces, as chunked attention
         sees P and dS: the max over the pieces)."""
-        hist = self._history(slot, amax.device)
-        used = (hist.max() if self.algo == "max" else hist[0]).clone()
-        amax = _reduce_max(amax.detach().float().reshape(1))
-        self.histories[slot] = torch.cat([amax, hist[:-1]])
-        return amax[0].clone() if self.current else used
+        ring = self._ring(slot, amax.device)
+        used = self._used(slot, ring)
+        entry = self._push(slot, ring)
+        entry.copy_(amax.detach().float().reshape(1))
+        _reduce_max(entry)
+        return entry[0].clone() if self.current else used
+
+    def _used(self, slot, ring: torch.Tensor) -> torch.Tensor:
+        """The amax the scale comes from: the history's max, or its newest entry."""
+        return ring.max() if self.algo == "max" else ring[self.newest[slot]].clone()
+
+    def _push(self, slot, ring: torch.Tensor) -> torch.Tensor:
+        """The one-element view of the slot that the next amax goes into (the oldest entry's,
+        which it replaces)."""
+        newest = self.newest[slot] = (self.newest[slot] - 1) % self.length
+        return ring[newest:newest + 1]
+
+    def ordered(self, slot) -> torch.Tensor:
+        """slot's history, newest first (a copy)."""
+        return self.histories[slot].roll(-self.newest[slot])
 
     def state_dict(self) -> dict:
-        return {f"{gemm}.{operand}": hist.detach().cpu().tolist()
-                for (gemm, operand), hist in sorted(self.histories.items())}
+        return {f"{gemm}.{operand}": self.ordered((gemm, operand)).cpu().tolist()
+                for (gemm, operand) in sorted(self.histories)}
 
     def load_state_dict(self, state: dict, device) -> None:
-        self.histories = {}
+        self.histories, self.newest = {}, {}
         for name, values in state.items():
             gemm, operand = name.split(".", 1)
             values = list(values)[:self.length]
             values += [0.0] * (self.length - len(values))
             self.histories[(gemm, operand)] = torch.tensor(values, dtype=torch.float32,
                                                            device=device)
+            self.newest[(gemm, operand)] = 0
 
 
 def histories_state(sites) -> dict:

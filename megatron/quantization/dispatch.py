@@ -33,6 +33,7 @@ estimate, which asks it as a GPU would be asked):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,10 +97,25 @@ def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "
         noise = formats.draw_noise(x, call)
         if backend == "triton":
             return triton_kernels.triton_fake_quantize(x, call, noise)
-        if backend == "compile":
+        if backend == "compile":     # the graphs quantize; a transform runs before them
             from megatron.quantization.kernels.compiled import compiled_fake_quantize
-            return compiled_fake_quantize(x, call, noise)
+            return compiled_fake_quantize(formats.rotated(x, call),
+                                          dataclasses.replace(call, rht=None), noise)
         return formats.quantize(x, call, noise)
+
+
+def amax_writer(x: torch.Tensor, mode: str):
+    """How a delayed-scaling history records max |x| under kernel mode `mode`: the amax
+    kernel, reducing straight into the history's entry, where the quantization kernels would
+    run x (None: the eager reduction, delayed_scaling.AmaxHistories.step's default). The
+    same value either way."""
+    check_kernel_mode(mode)
+    if mode not in ("auto", "triton") or (mode == "auto" and x.device.type != "cuda"):
+        return None
+    if x.dtype not in triton_kernels.KERNEL_DTYPES or triton_kernels.device_reason(x.device):
+        return None
+    from megatron.quantization.kernels.amax import tensor_amax
+    return lambda t, out: tensor_amax(t.contiguous(), out=out)
 
 
 # -- core attention ----------------------------------------------------------------------------

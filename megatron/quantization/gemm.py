@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,7 @@ from megatron.quantization import randomness
 from megatron.quantization.accumulation import limited_precision_matmul
 from megatron.quantization.config import MatmulQuantConfig, OperandFormats
 from megatron.quantization.delayed_scaling import AmaxHistories
-from megatron.quantization.dispatch import fake_quantize
+from megatron.quantization.dispatch import amax_writer, fake_quantize
 from megatron.quantization.formats import (
     format_info, hifp8_scale_exponent, hifp8_scaled_fake_quantize, random_hadamard_transform)
 from megatron.quantization.main_grad import (
@@ -150,7 +150,7 @@ VARIANT_KEYS = ("four_over_six", "four_over_six_bound", "row_scaled")
 def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantConfig,
                      scale_exponent=None, *, weight: bool = False, amax=None,
                      seed: Optional[int] = None, kernels: str = "auto",
-                     **variant) -> torch.Tensor:
+                     rht: Optional[Tuple[int, int]] = None, **variant) -> torch.Tensor:
     """How `config` quantizes one GEMM operand in `fmt` blocked along `axis`: the single
     definition the GEMMs use and captures are reproduced with.
 
@@ -167,6 +167,8 @@ def quantize_operand(hp: torch.Tensor, fmt: str, axis: int, config: MatmulQuantC
     options = format_options(config, fmt, hp.dim(), weight=weight, amax=amax, **variant)
     if seed is not None:
         options.update(rounding="stochastic", generator=randomness.generator(seed, hp.device))
+    if rht is not None:
+        options["rht"] = rht
     return fake_quantize(hp, fmt, axis=axis, scale_mode=config.mx.scale_mode,
                          saturate=config.saturate_for(fmt), kernels=kernels, **options)
 
@@ -195,9 +197,10 @@ class SiteState:
 
 
 def quantize_slot(config, gemm, name, side, hp, fmt, axis, scales=None, state=None,
-                  weight=False):
+                  weight=False, rotate=False):
     """(q, extra): one GEMM operand quantized (q None for fmt "none") and the keywords that
-    besides (fmt, axis, config) determined q (what the observer is given)."""
+    besides (fmt, axis, config) determined q (what the observer is given). `rotate`: q is the
+    quantization of the site's random Hadamard transform of hp (_rotation_fused)."""
     if fmt == "none":
         return None, {}
     extra = {}
@@ -207,7 +210,8 @@ def quantize_slot(config, gemm, name, side, hp, fmt, axis, scales=None, state=No
         # history was stepped once for the whole operand).
         extra["scale_exponent" if fmt == "hifp8" else "amax"] = imposed
     elif state is not None and state.amax is not None and config.delayed(fmt, f"{gemm}.{side}"):
-        extra["amax"] = state.amax.step((gemm, name), hp)
+        extra["amax"] = state.amax.step((gemm, name), hp,
+                                        amax_writer(hp, state.runtime.kernels))
     if config.stochastic_slot(gemm, side, fmt):
         if state is None:
             raise ValueError(f"{gemm}.{side} is stochastically rounded: its draws need the "
@@ -217,7 +221,8 @@ def quantize_slot(config, gemm, name, side, hp, fmt, axis, scales=None, state=No
         extra["weight"] = True
     extra.update(nvfp4_variant(config, fmt, name))
     kernels = state.runtime.kernels if state is not None else "auto"
-    return quantize_operand(hp, fmt, axis, config, **extra, kernels=kernels), extra
+    rht = (config.rht.block, config.rht.seed) if rotate else None
+    return quantize_operand(hp, fmt, axis, config, **extra, kernels=kernels, rht=rht), extra
 
 
 def gemm_operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None, state=None,
@@ -234,6 +239,27 @@ def gemm_operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None,
     if observer is not None:
         observer(gemm, name, hp, q, fmt, axis, **extra)
     return hp if q is None else q
+
+
+def _rotation_fused(observer, config, hp, fmt, axis, weight=False) -> bool:
+    """Whether an operand of a GEMM with a Hadamard transform is quantized in one call that
+    applies the transform too (no rotated copy: the fused kernels compute it as they load hp):
+    for MX and 1-D NVFP4 operands whose length along `axis` the block divides, and no observer
+    (an observer is shown the rotated operand itself). Same bits either way."""
+    return (observer is None and fmt != "none"
+            and format_info(fmt).kind in ("mx", "nvfp4")
+            and not (weight and config.weight_tiles(fmt))
+            and hp.shape[axis] % config.rht.block == 0)
+
+
+def rotated_operand(observer, config, gemm, name, side, hp, fmt, axis, state=None):
+    """gemm_operand of the random Hadamard transform of hp along `axis`: fused into the
+    quantization where _rotation_fused allows it, else rotated (zero-padded) first."""
+    if _rotation_fused(observer, config, hp, fmt, axis):
+        return quantize_slot(config, gemm, name, side, hp, fmt, axis, state=state,
+                             rotate=True)[0]
+    return gemm_operand(observer, config, gemm, name, side, _rotated(hp, axis, config), fmt,
+                        axis, state=state)
 
 
 # -- weights: quantized once per optimizer step -------------------------------------------------
@@ -257,14 +283,21 @@ def _weight_operand(observer, config, gemm, weight, axis, state):
         key = (state.runtime.weights_generation, weight.data_ptr(), weight._version,
                tuple(weight.shape), weight.dtype, weight.device, config)
         entry = state.weights.get(gemm)
-        if entry is not None and entry[0] == key:
+        if entry is not None and entry[0] == key and (entry[1] is not None or observer is None):
             _, w_in, q, extra = entry
             if observer is not None:
                 observer(gemm, "weight", w_in, q, fmt, axis, **extra)
             return q
-    w_in = _rotated(weight, axis, config) if gemm in config.rht.gemms else weight
-    q, extra = quantize_slot(config, gemm, "weight", "b", w_in, fmt, axis, state=state,
-                             weight=True)
+    rotate = gemm in config.rht.gemms
+    if rotate and _rotation_fused(observer, config, weight, fmt, axis, weight=True):
+        # Quantized with the transform in one call: no rotated copy is kept (None).
+        w_in = None
+        q, extra = quantize_slot(config, gemm, "weight", "b", weight, fmt, axis, state=state,
+                                 weight=True, rotate=True)
+    else:
+        w_in = _rotated(weight, axis, config) if rotate else weight
+        q, extra = quantize_slot(config, gemm, "weight", "b", w_in, fmt, axis, state=state,
+                                 weight=True)
     if observer is not None:
         observer(gemm, "weight", w_in, q, fmt, axis, **extra)
     if cached:
@@ -338,11 +371,12 @@ class _QuantizedLinear(torch.autograd.Function):
         ctx.comm, ctx.fuse_wgrad = comm, fuse_wgrad
         shard = x
         x, _ = comm.gather_input(x) if comm is not None else (x, None)
-        x_in = x
         if "fprop" in config.rht.gemms:      # reduction over K: x's last axis, W's axis 1
-            x_in = _rotated(x, x.dim() - 1, config)
-        qx = gemm_operand(observer, config, "fprop", "input", "a", x_in, config.fprop.a,
-                          x.dim() - 1, state=state)
+            qx = rotated_operand(observer, config, "fprop", "input", "a", x, config.fprop.a,
+                                 x.dim() - 1, state=state)
+        else:
+            qx = gemm_operand(observer, config, "fprop", "input", "a", x, config.fprop.a,
+                              x.dim() - 1, state=state)
         qw = _weight_operand(observer, config, "fprop", weight, 1, state)
         # Only the local shard of a sequence-parallel input is kept (backward gathers it
         # again), or the whole dequantized input the backward GEMMs take instead of it.
@@ -368,11 +402,9 @@ class _QuantizedLinear(torch.autograd.Function):
             x, wait_x = comm.gather_input(x, async_op=True)
         if need_x:
             # dX = dY @ W: reduction over N, the last axis of dY and axis 0 of W.
-            g_in = grad_y
-            if "dgrad" in config.rht.gemms:
-                g_in = _rotated(grad_y, grad_y.dim() - 1, config)
-            qg = gemm_operand(observer, config, "dgrad", "grad_output", "a", g_in, config.dgrad.a,
-                              grad_y.dim() - 1, state=state)
+            operand = rotated_operand if "dgrad" in config.rht.gemms else gemm_operand
+            qg = operand(observer, config, "dgrad", "grad_output", "a", grad_y, config.dgrad.a,
+                         grad_y.dim() - 1, state=state)
             qw = _weight_operand(observer, config, "dgrad", w_operand, 0, state)
             grad_x = gemm_result(observer, "dgrad", "grad_input",
                                  gemm_product(config, "dgrad", qg, qw))
@@ -412,12 +444,10 @@ def _weight_grad(g2, x2, weight, config, observer, state, fuse: bool):
     weight of a DistributedDataParallel model, dW is summed into weight.main_grad in fp32 and
     the placeholder autograd receives is returned (main_grad.py); the observer sees the fp32
     product either way."""
-    if "wgrad" in config.rht.gemms:
-        g2, x2 = _rotated(g2, 0, config), _rotated(x2, 0, config)
-    qg = gemm_operand(observer, config, "wgrad", "grad_output", "b", g2, config.wgrad.b, 0,
-                      state=state)
-    qx = gemm_operand(observer, config, "wgrad", "input", "a", x2, config.wgrad.a, 0,
-                      state=state)
+    operand = rotated_operand if "wgrad" in config.rht.gemms else gemm_operand
+    qg = operand(observer, config, "wgrad", "grad_output", "b", g2, config.wgrad.b, 0,
+                 state=state)
+    qx = operand(observer, config, "wgrad", "input", "a", x2, config.wgrad.a, 0, state=state)
     if not (fuse and accumulates_into_main_grad(weight)):
         return gemm_result(observer, "wgrad", "grad_weight",
                            gemm_product(config, "wgrad", qg.t(), qx))

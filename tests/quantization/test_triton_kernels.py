@@ -230,6 +230,8 @@ def run_cases() -> dict:
                     nvfp4_fake_quantize_triton(xd, 0, noise, None, True),
                     nvfp4_fake_quantize(xd, 0, True, noise, None))
     results.update(fp8_cases(compare, random3d, special))
+    results.update(hadamard_cases(compare))
+    results.update(delayed_linear_cases())
     for saturate in (False, True):
         results[f"hifp8 every bf16 saturate={saturate}"] = compare(
             every_bf16, "hifp8", saturate=saturate)
@@ -238,6 +240,93 @@ def run_cases() -> dict:
             wide_random((50, 70), seed=9), "hifp8", saturate=saturate)
         results[f"hifp8 specials saturate={saturate}"] = compare(
             special.bfloat16(), "hifp8", saturate=saturate)
+    return results
+
+
+def hadamard_cases(compare) -> dict:
+    """The random Hadamard transform computed in the MX and NVFP4 kernels: every block size,
+    both axes of a 3-D input (a non-finite element in one block), float32 and bf16, nearest and
+    stochastic; and RHT 16 inside 32-element MX blocks with a half-block tail. Then a linear
+    layer with the transform on all three GEMMs: the Triton kernels against eager PyTorch,
+    forward and backward."""
+    results = {}
+    x3 = wide_random((3, 128, 256), seed=18)
+    x3[0, 5, 7] = float("inf")
+    tail = wide_random((6, 48), seed=19)
+    for fmt in ("mxfp4", "mxfp8_e5m2", "nvfp4"):
+        for dname, dtype in DTYPES.items():
+            for block in (16, 32, 64, 128):
+                for axis in (1, 2):
+                    results[f"rht {fmt} {dname} block={block} axis={axis}"] = compare(
+                        x3.to(dtype), fmt, axis, rht=(block, 5))
+                results[f"rht stochastic {fmt} {dname} block={block}"] = compare(
+                    x3[1:].to(dtype), fmt, 1, seed=20, rounding="stochastic", rht=(block, 6))
+            results[f"rht tail {fmt} {dname}"] = compare(tail.to(dtype), fmt, 1, rht=(16, 7))
+    results.update(hadamard_linear_cases())
+    return results
+
+
+def hadamard_linear_cases() -> dict:
+    from megatron.quantization.config import (
+        BackendSettings, MatmulQuantConfig, OperandFormats, RhtSettings)
+    from megatron.quantization.gemm import SiteState, quantized_linear
+    from megatron.quantization.runtime import QuantRuntime
+    results = {}
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(2, 32, 64, generator=g).bfloat16()
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    grad = torch.randn(2, 32, 96, generator=g).bfloat16()
+    for fmt in ("mxfp4", "nvfp4"):
+        ops = OperandFormats(fmt, fmt)
+        cfg = MatmulQuantConfig(fprop=ops, dgrad=ops, wgrad=ops,
+                                stochastic=frozenset({"dgrad.a", "wgrad.b"}),
+                                rht=RhtSettings(("fprop", "dgrad", "wgrad"), 16, 8))
+        outs = {}
+        for mode in ("eager", "triton"):
+            state = SiteState("layer", cfg, QuantRuntime(BackendSettings(kernels=mode)))
+            state.runtime.start_iteration(seed=1, iteration=1)
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = quantized_linear(xi, wi, None, cfg, state=state)
+            y.backward(grad)
+            outs[mode] = (y.detach(), xi.grad, wi.grad)
+        for name, a, b in zip(("y", "dx", "dw"), outs["triton"], outs["eager"]):
+            results[f"rht linear {fmt} {name}"] = _mismatch(a, b)
+    return results
+
+
+def delayed_linear_cases() -> dict:
+    """A linear layer with delayed FP8 scaling over four steps of very different amaxes, the
+    amax kernel writing each operand's amax into its history entry: the Triton kernels against
+    eager PyTorch (results and histories), for both amax algorithms."""
+    from megatron.quantization.config import (
+        BackendSettings, Fp8Settings, MatmulQuantConfig, OperandFormats)
+    from megatron.quantization.gemm import SiteState, quantized_linear
+    from megatron.quantization.runtime import QuantRuntime
+    results = {}
+    g = torch.Generator().manual_seed(22)
+    for algo in ("max", "most_recent"):
+        cfg = MatmulQuantConfig(fprop=OperandFormats("fp8_e4m3", "fp8_e4m3"),
+                                dgrad=OperandFormats("fp8_e5m2", "fp8_e4m3"),
+                                wgrad=OperandFormats("fp8_e4m3", "fp8_e5m2"),
+                                fp8=Fp8Settings(recipe="delayed", amax_history_len=3,
+                                                amax_compute_algo=algo))
+        states = {mode: SiteState("layer", cfg, QuantRuntime(BackendSettings(kernels=mode)))
+                  for mode in ("eager", "triton")}
+        for step, scale in enumerate((1.0, 300.0, 0.01, 2.0)):
+            x = (torch.randn(24, 64, generator=g) * scale).bfloat16()
+            w = torch.randn(48, 64, generator=g).bfloat16()
+            grad = (torch.randn(24, 48, generator=g) / scale).bfloat16()
+            outs = {}
+            for mode, state in states.items():
+                xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+                y = quantized_linear(xi, wi, None, cfg, state=state)
+                y.backward(grad)
+                outs[mode] = (y.detach(), xi.grad, wi.grad)
+            for name, a, b in zip(("y", "dx", "dw"), outs["triton"], outs["eager"]):
+                results[f"delayed linear {algo} step={step} {name}"] = _mismatch(a, b)
+        histories = [state.amax.state_dict() for state in states.values()]
+        results[f"delayed linear {algo} histories"] = (
+            None if histories[0] == histories[1] else f"{histories[1]} vs {histories[0]}")
     return results
 
 
@@ -311,10 +400,25 @@ def test_nvfp4_kernel_is_bit_exact(kernel_results):
     assert not failures, failures
 
 
+def test_hadamard_transform_in_the_kernels_is_bit_exact(kernel_results):
+    cases = {k: v for k, v in kernel_results.items() if k.startswith("rht ")}
+    # 3 formats x 2 dtypes x (4 blocks x (2 axes + stochastic) + tail) + 2 linear layers x 3
+    assert len(cases) == 3 * 2 * (4 * 3 + 1) + 2 * 3
+    failures = {k: v for k, v in cases.items() if v is not None}
+    assert not failures, failures
+
+
 def test_nvfp4_2d_tile_kernel_is_bit_exact(kernel_results):
     cases = {k: v for k, v in kernel_results.items() if k.startswith("nvfp4 2-D tiles ")}
     # four 2-D inputs x 2 dtypes x (4 amax + stochastic + zero noise)
     assert len(cases) == 4 * 2 * 6
+    failures = {k: v for k, v in cases.items() if v is not None}
+    assert not failures, failures
+
+
+def test_delayed_scaling_with_the_amax_kernel_is_bit_exact(kernel_results):
+    cases = {k: v for k, v in kernel_results.items() if k.startswith("delayed linear ")}
+    assert len(cases) == 2 * (4 * 3 + 1)          # 2 algorithms x (4 steps x 3 results + 1)
     failures = {k: v for k, v in cases.items() if v is not None}
     assert not failures, failures
 

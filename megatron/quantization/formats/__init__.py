@@ -74,7 +74,7 @@ from megatron.quantization.formats.fp8 import (
     FP8_BLOCKS, FP8_SCALINGS, FP8_TILE, check_fp8_options, fp8_fake_quantize, fp8_amax,
     fp8_scales)
 from megatron.quantization.formats.hadamard import (
-    hadamard_sign_vector, random_hadamard_transform)
+    check_hadamard_block, hadamard_sign_vector, random_hadamard_transform)
 from megatron.quantization.formats.hifp8 import (  # noqa: F401 (public names)
     hifp8_fake_quantize, prepare_hifp8_tables, hifp8_scale_exponent,
     hifp8_scaled_fake_quantize)
@@ -106,7 +106,8 @@ class QuantizeCall:
     non-negative block axis (-1 for element-wise and per-tensor scaled formats); options:
     (block_2d, scaling, margin, pow2_scale, block, NVFP4 variant), hashable so that compiled
     graphs specialise on them; amax: the imposed per-tensor amax as a 0-d float32 tensor on x's
-    device, or None."""
+    device, or None; rht: (block, seed) when the call quantizes the random Hadamard transform
+    of x along `axis` (None otherwise)."""
 
     fmt: str
     kind: str
@@ -117,6 +118,7 @@ class QuantizeCall:
     rounding: str = "nearest"
     generator: Optional[torch.Generator] = None
     amax: Optional[torch.Tensor] = None
+    rht: Optional[Tuple[int, int]] = None
 
     @property
     def block_2d(self) -> bool:
@@ -138,7 +140,8 @@ def prepare_call(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "f
                  scaling: Optional[str] = None, amax=None, margin: float = 0,
                  pow2_scale: bool = False,
                  block: Optional[Tuple[int, int]] = None, four_over_six: Optional[str] = None,
-                 four_over_six_bound: int = 448, row_scaled: bool = False) -> QuantizeCall:
+                 four_over_six_bound: int = 448, row_scaled: bool = False,
+                 rht: Optional[Tuple[int, int]] = None) -> QuantizeCall:
     """fake_quantize's arguments checked (one ValueError naming the bad value) and normalised
     into a QuantizeCall; see fake_quantize for their meaning."""
     check_tensor(x)
@@ -176,9 +179,29 @@ def prepare_call(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "f
         axis = -1
     if amax is not None:
         amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+    if rht is not None:
+        rht = _check_rht(x, kind, axis, block_2d, rht)
     return QuantizeCall(fmt, kind, axis, scale_mode, saturate,
                         (bool(block_2d), scaling, margin, bool(pow2_scale), block, form),
-                        rounding, generator, amax)
+                        rounding, generator, amax, rht)
+
+
+def _check_rht(x: torch.Tensor, kind: str, axis: int, block_2d: bool, rht) -> Tuple[int, int]:
+    """rht=(block, seed) checked: MX and 1-D NVFP4 blocks, a length along `axis` that the
+    transform's block divides."""
+    if kind not in ("mx", "nvfp4") or block_2d:
+        raise ValueError("rht applies to the MX formats and to nvfp4 in 1-D blocks")
+    try:
+        block, seed = rht
+    except (TypeError, ValueError):
+        raise ValueError(f"rht must be (block, seed), got {rht!r}") from None
+    block = check_hadamard_block(block)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"the rht seed must be an int, got {seed!r}")
+    if x.shape[axis] % block:
+        raise ValueError(f"rht: the length {x.shape[axis]} along axis {axis} is not a "
+                         f"multiple of the Hadamard block {block}")
+    return block, seed
 
 
 def apply_format(x: torch.Tensor, fmt: str, axis: int, scale_mode: str, saturate: bool,
@@ -222,8 +245,16 @@ def quantize(x: torch.Tensor, call: QuantizeCall, noise: Optional[torch.Tensor])
     if x.numel() == 0:
         return x.clone()
     with torch.no_grad():   # rounding has no useful gradient; the GEMMs define their own
-        return apply_format(x, call.fmt, call.axis, call.scale_mode, call.saturate,
-                            call.options, noise, call.amax)
+        return apply_format(rotated(x, call), call.fmt, call.axis, call.scale_mode,
+                            call.saturate, call.options, noise, call.amax)
+
+
+def rotated(x: torch.Tensor, call: QuantizeCall) -> torch.Tensor:
+    """x, or its random Hadamard transform along the call's axis when the call has one."""
+    if call.rht is None:
+        return x
+    block, seed = call.rht
+    return random_hadamard_transform(x, call.axis, block, seed)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "floor",
@@ -232,7 +263,8 @@ def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "
                   scaling: Optional[str] = None, amax=None, margin: float = 0,
                   pow2_scale: bool = False,
                   block: Optional[Tuple[int, int]] = None, four_over_six: Optional[str] = None,
-                  four_over_six_bound: int = 448, row_scaled: bool = False) -> torch.Tensor:
+                  four_over_six_bound: int = 448, row_scaled: bool = False,
+                  rht: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Quantize `x` to `fmt` and dequantize it back: same shape and dtype, exact values. This
     is the definition, in eager PyTorch; megatron.quantization.fake_quantize takes the same
     arguments plus the kernel mode that picks a faster implementation of it.
@@ -264,6 +296,9 @@ def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "
     formats/nvfp4.py); four_over_six_bound: the E4M3 bound of its tensor scale, 448 or 256.
     row_scaled (NVFP4 only): one tensor amax per line along `axis` (per token for activations)
     instead of one per tensor (TransformerEngine's row_scaled_activation).
+    rht (MX formats and 1-D NVFP4): (block, seed) quantizes the random Hadamard transform of x
+    along `axis` instead of x, fake_quantize(random_hadamard_transform(x, axis, block, seed),
+    ...): the same bits, in one pass where a fused kernel runs it.
     The result carries no autograd history (wrap it in a straight-through function, or use
     gemm.quantized_linear / quantized_matmul, to train through it).
     """
@@ -271,6 +306,6 @@ def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "
                         rounding=rounding, generator=generator, scaling=scaling, amax=amax,
                         margin=margin, pow2_scale=pow2_scale, block=block,
                         four_over_six=four_over_six, four_over_six_bound=four_over_six_bound,
-                        row_scaled=row_scaled)
+                        row_scaled=row_scaled, rht=rht)
     with torch.no_grad():
         return quantize(x, call, draw_noise(x, call) if x.numel() else None)

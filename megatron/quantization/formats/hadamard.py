@@ -10,12 +10,21 @@ sign vector that depends only on `seed` and is shared by all blocks. Q is orthon
 same Q leaves the product unchanged: (A Q^T)(B Q^T)^T = A Q^T Q B^T = A B^T. Spreading each
 block's outliers over the whole block makes the block scales of NVFP4 / MXFP4 fit the bulk of
 the values better (NVFP4 paper section 4.2; TE and torchao build the same matrix).
+
+The arithmetic is defined to the bit, so that a fused kernel (kernels/hadamard.py, inside the
+quantization kernels) gives the same numbers on every device: in float32 (float64 for float64
+inputs), z = d * x (exact), then the fast Walsh-Hadamard butterflies with strides h = 1, 2, 4,
+..., b/2 in that order, each pair (z_i, z_i+h) becoming (z_i + z_i+h, z_i - z_i+h) with one
+rounding per sum, then one multiplication by f32(1/sqrt(b)) (exact for b = 16 and 64), and a
+16-bit input's result rounded once to its dtype. A matrix product would leave the order of
+the sums to the BLAS library, and so the bits to the device.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import struct
 
 import torch
 
@@ -24,7 +33,7 @@ from megatron.quantization.formats.common import check_tensor, normalize_axis
 HADAMARD_BLOCK_SIZES = (16, 32, 64, 128)
 
 
-def _check_block(block) -> int:
+def check_hadamard_block(block) -> int:
     if isinstance(block, bool) or not isinstance(block, int) or block not in HADAMARD_BLOCK_SIZES:
         raise ValueError(f"Hadamard block size must be one of "
                          f"{', '.join(map(str, HADAMARD_BLOCK_SIZES))}, got {block!r}")
@@ -37,29 +46,39 @@ def hadamard_sign_vector(block: int, seed: int) -> torch.Tensor:
     One random bit per entry from a CPU torch.Generator seeded with `seed`: the same seed gives
     the same vector on every machine and for every device the transform later runs on.
     """
-    block = _check_block(block)
+    block = check_hadamard_block(block)
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     bits = torch.randint(0, 2, (block,), generator=gen, dtype=torch.int64)
     return (1 - 2 * bits).to(torch.float32)
 
 
-def _sylvester(block: int) -> torch.Tensor:
-    """The float64 Sylvester Hadamard matrix H_block (entries +-1, H H^T = block I)."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < block:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
+def inverse_sqrt(block: int, dtype: torch.dtype) -> float:
+    """1/sqrt(block) rounded to `dtype` (float32 or float64), as a Python float (pure Python:
+    no tensor is made for it on the way to a kernel launch)."""
+    value = 1.0 / math.sqrt(block)
+    if dtype == torch.float64:
+        return value
+    return struct.unpack("f", struct.pack("f", value))[0]       # round to nearest float32
 
 
 @functools.lru_cache(maxsize=64)
-def _transposed_matrix(block: int, seed: int, device: torch.device,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """Q^T = diag(d) H / sqrt(b), built in float64 and rounded once to `dtype`, so that row
-    blocks transform as x_blk @ Q^T. Cached per (block, seed, device, dtype): built and copied
-    to the device once, not on every call (a bounded cache, in case seeds change per step)."""
-    d = hadamard_sign_vector(block, seed).to(torch.float64)
-    qt = d[:, None] * _sylvester(block) / math.sqrt(block)
-    return qt.to(device=device, dtype=dtype)
+def signs_on(block: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The sign vector d on `device` in `dtype`, built and copied there once per (block, seed,
+    device, dtype) (a bounded cache, in case seeds change per step)."""
+    return hadamard_sign_vector(block, seed).to(device=device, dtype=dtype)
+
+
+def butterflies(z: torch.Tensor, block: int) -> torch.Tensor:
+    """H_block z over the last axis of z (its length `block`), by the butterflies with strides
+    1, 2, ..., block/2 in that order (one rounding per sum)."""
+    lead = z.shape[:-1]
+    h = 1
+    while h < block:
+        pairs = z.reshape(*lead, block // (2 * h), 2, h)
+        a, c = pairs.unbind(-2)
+        z = torch.stack((a + c, a - c), -2).reshape(*lead, block)
+        h *= 2
+    return z
 
 
 def random_hadamard_transform(x: torch.Tensor, axis: int = -1, block: int = 16,
@@ -68,18 +87,19 @@ def random_hadamard_transform(x: torch.Tensor, axis: int = -1, block: int = 16,
 
     block: 16 (NVFP4), 32, 64 or 128 (MXFP4); the length along `axis` must be a multiple of it.
     seed: selects the sign vector d (hadamard_sign_vector). Returns x's shape and dtype;
-    16-bit inputs are computed in float32 (one rounding at the end), float64 stays float64.
-    The transform is linear and differentiable (its gradient is the inverse transform).
+    16-bit inputs are computed in float32 (one rounding at the end), float64 stays float64;
+    the order of the operations is fixed (see the module docstring). The transform is linear
+    and differentiable (its gradient is the inverse transform).
     """
     check_tensor(x)
-    block = _check_block(block)
+    block = check_hadamard_block(block)
     axis = normalize_axis(axis, x.dim())
     n = x.shape[axis]
     if n % block:
         raise ValueError(f"random_hadamard_transform: the length {n} along axis {axis} is not "
                          f"a multiple of the Hadamard block {block}")
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    qt = _transposed_matrix(block, int(seed), x.device, cdtype)
-    rows = x.movedim(axis, -1).to(cdtype)
-    y = (rows.unflatten(-1, (n // block, block)) @ qt).flatten(-2)
+    rows = x.movedim(axis, -1).to(cdtype).unflatten(-1, (n // block, block))
+    z = butterflies(rows * signs_on(block, int(seed), x.device, cdtype), block)
+    y = (z * inverse_sqrt(block, cdtype)).flatten(-2)
     return y.movedim(-1, axis).to(x.dtype)

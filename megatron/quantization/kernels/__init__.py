@@ -16,6 +16,8 @@ same):
 - HiFP8 (plain cast and saturating);
 - NVFP4 with 16-element blocks along any axis or 16x16 tiles (block_2d), its own or an
   imposed tensor amax;
+- for MX and 1-D NVFP4, the random Hadamard transform of the operand along its axis
+  (QuantizeCall.rht), computed in the kernel as it loads the operand (kernels/hadamard.py);
 - FP8 E4M3/E5M2 with per-tensor current or delayed scaling, or 1x128 / 128x128 blocks, any
   margin, power-of-two scales or not.
 NVFP4's 4/6 and row scaling, bf16/fp16 pass-through and float16/float64 inputs are reported
@@ -84,7 +86,8 @@ def triton_fake_quantize(x: torch.Tensor, call, noise: Optional[torch.Tensor]) -
     (formats.QuantizeCall) that unsupported_reason and device_reason accept."""
     if call.kind == "nvfp4":
         from megatron.quantization.kernels.nvfp4 import nvfp4_fake_quantize_triton
-        return nvfp4_fake_quantize_triton(x, call.axis, noise, call.amax, call.block_2d)
+        return nvfp4_fake_quantize_triton(x, call.axis, noise, call.amax, call.block_2d,
+                                          call.rht)
     if call.kind == "fp8":
         from megatron.quantization.kernels.fp8 import fp8_fake_quantize_triton
         _, scaling, margin, pow2_scale, block, _ = call.options
@@ -94,4 +97,4 @@ def triton_fake_quantize(x: torch.Tensor, call, noise: Optional[torch.Tensor]) -
         from megatron.quantization.kernels.hifp8 import hifp8_fake_quantize_triton
         return hifp8_fake_quantize_triton(x, call.saturate)
     from megatron.quantization.kernels.mx import mx_fake_quantize_triton
-    return mx_fake_quantize_triton(x, call.fmt, call.axis, call.scale_mode, noise)
+    return mx_fake_quantize_triton(x, call.fmt, call.axis, call.scale_mode, noise, call.rht)

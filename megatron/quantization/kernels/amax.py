@@ -1,20 +1,24 @@
 """max |x| over a whole tensor in one Triton kernel, for the per-tensor scales (NVFP4's second
 level, FP8 current scaling) that the quantization kernels then compute on the device.
 
-Each program reduces its slice of |x| bit patterns and folds the result into one int32 with an
-atomic max. Non-negative float32 bit patterns order like the magnitudes, and every NaN
-pattern is above +Inf's, so the result is the float32 bits of the amax with the eager
+Each program reduces its slice of |x| bit patterns and folds the result into one float32 with
+an integer atomic max on its bits. Non-negative float32 bit patterns order like the
+magnitudes, and every NaN pattern is above +Inf's, so the result is the amax with the eager
 reductions' rule: NaN if x holds a NaN, else +Inf if it holds an Inf. No 0-d tensor
-arithmetic runs on the host: the consumer kernels read these bits.
+arithmetic runs on the host: the consumer kernels read the result, and a delayed-scaling
+history gets it written straight into its new entry.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron.quantization.kernels.bits import load_bits
+from megatron.quantization.kernels.bits import block_offsets, load_bits
+from megatron.quantization.kernels.hadamard import rotate
 
 BLOCK = 4096
 
@@ -24,14 +28,41 @@ def _amax_kernel(x_ptr, out_ptr, numel, IS_BF16: tl.constexpr, BLOCK_: tl.conste
     offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < numel
     mag = load_bits(x_ptr, offs, mask, IS_BF16) & 0x7FFFFFFF
-    tl.atomic_max(out_ptr, tl.max(mag, axis=0))
+    tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)), tl.max(mag, axis=0))
 
 
-def amax_bits(x: torch.Tensor) -> torch.Tensor:
-    """The float32 bits of max |x| as a one-element int32 tensor on x's device (x contiguous,
-    float32 or bf16; 0 for an empty x)."""
-    out = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if x.numel():
+@triton.jit
+def _rotated_amax_kernel(x_ptr, out_ptr, signs_ptr, n_blocks, length, inner, blocks_per_row,
+                         IS_BF16: tl.constexpr, RHT: tl.constexpr, INV_SQRT: tl.constexpr,
+                         GROUP_: tl.constexpr):
+    """max |RHT(x)| along the axis of the layout, the transform computed as the QDQ kernels
+    compute it (kernels/hadamard.py)."""
+    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, RHT)
+    u = rotate(load_bits(x_ptr, offs, mask, IS_BF16), signs_ptr, GROUP_, RHT, RHT, INV_SQRT,
+               IS_BF16)
+    tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)),
+                  tl.max(tl.max(u & 0x7FFFFFFF, axis=1), axis=0))
+
+
+def tensor_amax(x: torch.Tensor, layout=None, signs=None, RHT: int = 0, INV_SQRT: float = 1.0,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """max |x| as a one-element float32 tensor on x's device (x contiguous, float32 or bf16; 0
+    for an empty x), written into `out` when given (a one-element float32 tensor, e.g. a
+    delayed-scaling history entry). With RHT > 0: max |x's random Hadamard transform| along
+    the axis of `layout` (bits.axis_blocks' tuple for blocks of RHT) with the sign vector
+    `signs` (hadamard.hadamard_launch gives these arguments)."""
+    if out is None:
+        out = torch.zeros(1, dtype=torch.float32, device=x.device)
+    else:
+        out.zero_()
+    if not x.numel():
+        return out
+    is_bf16 = x.dtype == torch.bfloat16
+    if RHT:
+        group = max(1, BLOCK // RHT)
+        _rotated_amax_kernel[(triton.cdiv(layout[0], group),)](
+            x, out, signs, *layout, IS_BF16=is_bf16, RHT=RHT, INV_SQRT=INV_SQRT, GROUP_=group)
+    else:
         _amax_kernel[(triton.cdiv(x.numel(), BLOCK),)](
-            x, out, x.numel(), IS_BF16=x.dtype == torch.bfloat16, BLOCK_=BLOCK)
+            x, out, x.numel(), IS_BF16=is_bf16, BLOCK_=BLOCK)
     return out

@@ -29,7 +29,7 @@ import triton.language as tl
 from megatron.quantization.formats.common import FORMAT_INFO
 from megatron.quantization.formats.fp8 import (
     FP8_TILE, FLT_MAX, block_value_for_inf, scaled_max)
-from megatron.quantization.kernels.amax import amax_bits
+from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
     axis_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, square_tiles,
     store_bits, tile_offsets)
@@ -70,10 +70,7 @@ def _fp8_tensor_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, numel, scaled_max,
     offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < numel
     u = load_bits(x_ptr, offs, mask, IS_BF16)
-    if DELAYED:
-        amax = tl.load(amax_ptr)                                   # the caller's float32
-    else:
-        amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)      # the amax kernel's bits
+    amax = tl.load(amax_ptr)              # the caller's (delayed) or the amax kernel's
     scale, scale_inv = _scales(amax, scaled_max, 3.4028234663852886e38, POW2)
     noise = load_noise(noise_ptr, offs, mask, STOCHASTIC)
     y = _round_scaled(u, scale, scale_inv, noise, EMAX, EMIN, MBITS, TOP_SIG, STOCHASTIC)
@@ -132,7 +129,7 @@ def fp8_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scaling: str,
     noise_arg = x if noise is None else noise.contiguous()
     top = scaled_max(info.max_normal, margin)
     if scaling == "tensor":
-        amax_arg = amax_bits(x) if amax is None else amax
+        amax_arg = tensor_amax(x) if amax is None else amax
         _fp8_tensor_kernel[(triton.cdiv(x.numel(), BLOCK),)](
             x, noise_arg, y, amax_arg, x.numel(), top, DELAYED=amax is not None, BLOCK_=BLOCK,
             **common)

@@ -30,7 +30,7 @@ This is the value the eager path defines (scale exactly, round once, dequantize 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -39,6 +39,7 @@ import triton.language as tl
 from megatron.quantization.formats.common import FORMAT_INFO, MX_BLOCK_SIZE
 from megatron.quantization.kernels.bits import (
     axis_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, store_bits)
+from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
 
 GROUP = 64          # blocks of 32 per program: 2048 elements
 
@@ -65,15 +66,23 @@ def mx_quantize_blocks(u, noise, EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: 
 
 
 @triton.jit
-def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_row,
+def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, signs_ptr, n_blocks, length, inner, blocks_per_row,
                    EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                    TOP_SIG: tl.constexpr, BUMP_ABOVE: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
-    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 32)
+                   STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, RHT: tl.constexpr,
+                   INV_SQRT: tl.constexpr, WIDTH: tl.constexpr, GROUP_: tl.constexpr):
+    # GROUP_ runs of WIDTH elements along the axis: one MX block, or (RHT) whole transform
+    # blocks holding whole MX blocks (or two MX halves of one 32-block for RHT 16).
+    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, WIDTH)
     u = load_bits(x_ptr, offs, mask, IS_BF16)
+    if RHT > 0:
+        u = rotate(u, signs_ptr, GROUP_, WIDTH, RHT, INV_SQRT, IS_BF16)
     noise = load_noise(noise_ptr, offs, mask, STOCHASTIC)
-    res = mx_quantize_blocks(u, noise, EMAX, EMIN, MBITS, TOP_SIG, BUMP_ABOVE, STOCHASTIC)
-    store_bits(y_ptr, offs, mask, res, IS_BF16)
+    if STOCHASTIC:
+        noise = tl.reshape(noise, [GROUP_ * WIDTH // 32, 32])
+    res = mx_quantize_blocks(tl.reshape(u, [GROUP_ * WIDTH // 32, 32]), noise, EMAX, EMIN,
+                             MBITS, TOP_SIG, BUMP_ABOVE, STOCHASTIC)
+    store_bits(y_ptr, offs, mask, tl.reshape(res, [GROUP_, WIDTH]), IS_BF16)
 
 
 def scale_rule_threshold(fmt: str, scale_mode: str) -> int:
@@ -104,13 +113,16 @@ def format_constants(fmt: str, scale_mode: str):
 
 
 def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
-                            noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fake_quantize(x, fmt, axis, scale_mode) for an MX format, by the Triton kernel.
+                            noise: Optional[torch.Tensor] = None,
+                            rht: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """fake_quantize(x, fmt, axis, scale_mode, rht=rht) for an MX format, by the Triton kernel.
 
     x: float32 or bf16, any shape (made contiguous if it is not); fmt canonical; axis
     normalised (0 <= axis < x.dim()). noise: None (round to nearest) or the uniform [0, 1)
     float32 numbers of x's shape that eager stochastic rounding draws (rounding.uniform_noise),
-    so that both give the same bits. Returns a new tensor of x's shape and dtype."""
+    so that both give the same bits. rht: None, or (block, seed) to quantize the random
+    Hadamard transform of x along the axis (x.shape[axis] a multiple of block), computed in
+    the kernel. Returns a new tensor of x's shape and dtype."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"the MX Triton kernel takes float32 or bfloat16, got {x.dtype}")
     if noise is not None and (noise.shape != x.shape or noise.dtype != torch.float32):
@@ -119,9 +131,13 @@ def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: st
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    n_blocks, length, inner, blocks_per_row = axis_blocks(x.shape, axis, MX_BLOCK_SIZE)
-    _mx_qdq_kernel[(triton.cdiv(n_blocks, GROUP),)](
-        x, x if noise is None else noise.contiguous(), y, n_blocks, length, inner,
-        blocks_per_row, STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16,
-        GROUP_=GROUP, **format_constants(fmt, scale_mode))
+    rotation = hadamard_launch(rht, x.device)
+    width = max(MX_BLOCK_SIZE, rotation["RHT"])
+    n_blocks, length, inner, blocks_per_row = axis_blocks(x.shape, axis, width)
+    group = GROUP * MX_BLOCK_SIZE // width
+    _mx_qdq_kernel[(triton.cdiv(n_blocks, group),)](
+        x, x if noise is None else noise.contiguous(), y, rotation.pop("signs"), n_blocks,
+        length, inner, blocks_per_row, STOCHASTIC=noise is not None,
+        IS_BF16=x.dtype == torch.bfloat16, WIDTH=width, GROUP_=group, **rotation,
+        **format_constants(fmt, scale_mode))
     return y

@@ -2,7 +2,7 @@
 16x16 tiles of a 2-D weight (block_2d).
 
 The sequence of formats/nvfp4.py, step for step. The tensor amax comes from the amax kernel
-(kernels/amax.py) as float32 bits, or is the caller's imposed 0-d tensor; the tensor scales
+(kernels/amax.py), or is the caller's imposed 0-d tensor; the tensor scales
 (steps 2-3) are computed in the kernel from it, so no 0-d tensor arithmetic runs on the host.
 Per program (the scalar steps) and per block, in float32 with one rounding per operation as
 eager does:
@@ -22,7 +22,7 @@ launched without libdevice's flush-to-zero).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -30,10 +30,11 @@ import triton.language as tl
 
 from megatron.quantization.formats.common import NVFP4_BLOCK_SIZE
 from megatron.quantization.formats.nvfp4 import ONE_OVER_2688_F32, FLT_MAX, ONE_SIXTH_F32
-from megatron.quantization.kernels.amax import amax_bits
+from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
     axis_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, square_tiles,
     store_bits, tile_offsets)
+from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
 
 GROUP = 128         # blocks of 16 per program: 2048 elements
 GROUP_2D = 8        # 16x16 tiles per program: 2048 elements
@@ -45,17 +46,25 @@ assert _FLT_MAX == FLT_MAX and _RECIP_2688 == ONE_OVER_2688_F32 and _ONE_SIXTH =
 
 
 @triton.jit
-def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_bits_ptr, imposed_ptr, n_blocks, length,
-                      inner, blocks_per_row, IMPOSED: tl.constexpr, TILE_2D: tl.constexpr,
-                      STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
+def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, imposed_ptr, signs_ptr, n_blocks,
+                      length, inner, blocks_per_row, IMPOSED: tl.constexpr,
+                      TILE_2D: tl.constexpr, STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr,
+                      RHT: tl.constexpr, INV_SQRT: tl.constexpr, WIDTH: tl.constexpr,
+                      GROUP_: tl.constexpr):
+    # GROUP_ rows of WIDTH elements: 16x16 tiles (TILE_2D, WIDTH 256), or runs along the axis
+    # of one block of 16 or (RHT) of one transform block holding whole blocks of 16.
     if TILE_2D:     # n_blocks tiles of [length rows, inner columns]; blocks_per_row per row
         offs, mask = tile_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 16)
     else:
-        offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 16)
+        offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, WIDTH)
     u = load_bits(x_ptr, offs, mask, IS_BF16)
+    if RHT > 0:
+        u = rotate(u, signs_ptr, GROUP_, WIDTH, RHT, INV_SQRT, IS_BF16)
+    BLOCKS: tl.constexpr = GROUP_ * WIDTH // (256 if TILE_2D else 16)
+    u = tl.reshape(u, [BLOCKS, 256 if TILE_2D else 16])
 
     # Steps 1-3 (formats.nvfp4.tensor_scales): the same scalars in every program.
-    data_bits = tl.load(amax_bits_ptr)
+    data_bits = tl.load(amax_ptr).to(tl.int32, bitcast=True)
     finite = data_bits < 0x7F800000
     if IMPOSED:
         amax_t = tl.load(imposed_ptr)
@@ -81,36 +90,44 @@ def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_bits_ptr, imposed_ptr, n_blo
     v = tl.minimum(tl.maximum(v, -6.0), 6.0)
     vbits = v.to(tl.int32, bitcast=True)
     noise = load_noise(noise_ptr, offs, mask, STOCHASTIC)
+    if STOCHASTIC:
+        noise = tl.reshape(noise, [BLOCKS, 256 if TILE_2D else 16])
     q, qe = round_to_grid(vbits & 0x7FFFFFFF, 0, noise, 0, 1, 3, 2, STOCHASTIC)   # E2M1
     qv = (pack(q, qe) | ((vbits >> 31) << 31)).to(tl.float32, bitcast=True)
     y = (qv * dec[:, None]).to(tl.int32, bitcast=True)
     y = tl.where(finite, y, 0x7FC00000)
-    store_bits(y_ptr, offs, mask, y, IS_BF16)
+    store_bits(y_ptr, offs, mask, tl.reshape(y, [GROUP_, WIDTH]), IS_BF16)
 
 
 def nvfp4_fake_quantize_triton(x: torch.Tensor, axis: int, noise: Optional[torch.Tensor] = None,
-                               amax: Optional[torch.Tensor] = None,
-                               block_2d: bool = False) -> torch.Tensor:
-    """fake_quantize(x, "nvfp4", axis, block_2d=block_2d, amax=amax) by the Triton kernel.
+                               amax: Optional[torch.Tensor] = None, block_2d: bool = False,
+                               rht: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """fake_quantize(x, "nvfp4", axis, block_2d=block_2d, amax=amax, rht=rht) by the Triton
+    kernel.
 
     x: float32 or bf16 (2-D for block_2d); axis normalised (ignored for block_2d); noise: None
     or eager's uniform [0, 1) float32 numbers of x's shape (stochastic rounding); amax: None
-    or an imposed 0-d float32 tensor amax on x's device."""
+    or an imposed 0-d float32 tensor amax on x's device; rht: None or (block, seed), the random
+    Hadamard transform along the axis computed in the kernels (1-D blocks only)."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"the NVFP4 Triton kernel takes float32 or bfloat16, got {x.dtype}")
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    data_amax = amax_bits(x)
+    rotation = hadamard_launch(rht, x.device)
+    signs = rotation.pop("signs")
     if block_2d:
-        layout, group = square_tiles(x.shape, NVFP4_BLOCK_SIZE), GROUP_2D
+        layout, group, width = square_tiles(x.shape, NVFP4_BLOCK_SIZE), GROUP_2D, 256
     else:
-        layout, group = axis_blocks(x.shape, axis, NVFP4_BLOCK_SIZE), GROUP
+        width = max(NVFP4_BLOCK_SIZE, rotation["RHT"])
+        layout = axis_blocks(x.shape, axis, width)
+        group = GROUP * NVFP4_BLOCK_SIZE // width
+    data_amax = tensor_amax(x, layout if rht else None, signs, **rotation)
     _nvfp4_qdq_kernel[(triton.cdiv(layout[0], group),)](
         x, x if noise is None else noise.contiguous(), y, data_amax,
-        data_amax if amax is None else amax, *layout, IMPOSED=amax is not None,
+        data_amax if amax is None else amax, signs, *layout, IMPOSED=amax is not None,
         TILE_2D=bool(block_2d), STOCHASTIC=noise is not None,
-        IS_BF16=x.dtype == torch.bfloat16, GROUP_=group,
+        IS_BF16=x.dtype == torch.bfloat16, WIDTH=width, GROUP_=group, **rotation,
         enable_reflect_ftz=False)      # div_rn keeps float32 subnormals, as eager does
     return y
