@@ -13,10 +13,14 @@ The dispatch checks that need no kernel run in this process.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import REPO_ROOT, child_env
 from interpreted import require_interpreter, run_interpreted
 
 MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4")
@@ -294,6 +298,57 @@ def hadamard_linear_cases() -> dict:
     return results
 
 
+def vector_access() -> dict:
+    """Every QDQ kernel compiled for sm_90 (no GPU needed) as the launches specialise it, and
+    the kinds of its global loads and stores: {kernel: {instruction: count}}."""
+    import re
+    from collections import Counter
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from megatron.quantization.kernels import amax, fp8, hifp8, mx, nvfp4
+    from megatron.quantization.kernels.bits import COLUMNS, FLAT, ROWS
+    scalars = ("noise_ptr", "signs_ptr", "out_ptr", "amax_ptr", "imposed_ptr")
+
+    def access(kernel, constants, dtype):
+        signature = {a: "constexpr" if a in constants else "*fp32" if a in scalars else
+                     dtype if a.endswith("_ptr") else "i32" for a in kernel.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+                   if a not in constants}     # as Triton specialises 16-aligned arguments
+        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs=aligned),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"enable_fp_fusion": False})
+        return dict(Counter(re.findall(r"(?:ld|st)\.global[.\w]*", compiled.asm["ptx"])))
+
+    mx_fmt = mx.format_constants("mxfp8_e4m3", "floor")
+    fp8_fmt = fp8._element_constants("fp8_e4m3")
+    out = {}
+    for dname, bf16 in (("float32", False), ("bfloat16", True)):
+        dtype = "*bf16" if bf16 else "*fp32"
+        for lname, layout in (("flat", FLAT), ("columns", COLUMNS)):
+            out[f"mx {lname} {dname}"] = access(mx._mx_qdq_kernel, dict(
+                STOCHASTIC=False, IS_BF16=bf16, RHT=0, INV_SQRT=1.0, WIDTH=32, LAYOUT=layout,
+                GROUP_=64, **mx_fmt), dtype)
+            out[f"nvfp4 rht16 {lname} {dname}"] = access(nvfp4._nvfp4_qdq_kernel, dict(
+                IMPOSED=False, TILE_2D=False, STOCHASTIC=False, IS_BF16=bf16, RHT=16,
+                INV_SQRT=0.25, WIDTH=16, LAYOUT=layout, GROUP_=128), dtype)
+            out[f"fp8 1x128 {lname} {dname}"] = access(fp8._fp8_block_kernel, dict(
+                VALUE_FOR_INF=3.0e38, TILE_2D=False, POW2=False, STOCHASTIC=False,
+                IS_BF16=bf16, LAYOUT=layout, GROUP_=16, **fp8_fmt), dtype)
+        out[f"nvfp4 16x16 {dname}"] = access(nvfp4._nvfp4_qdq_kernel, dict(
+            IMPOSED=False, TILE_2D=True, STOCHASTIC=False, IS_BF16=bf16, RHT=0, INV_SQRT=1.0,
+            WIDTH=256, LAYOUT=ROWS, GROUP_=8), dtype)
+        out[f"fp8 tensor {dname}"] = access(fp8._fp8_tensor_kernel, dict(
+            DELAYED=False, POW2=False, STOCHASTIC=False, IS_BF16=bf16, BLOCK_=2048,
+            **fp8_fmt), dtype)
+        out[f"hifp8 {dname}"] = access(hifp8._hifp8_qdq_kernel, dict(
+            SATURATE=False, IS_BF16=bf16, BLOCK_=2048), dtype)
+        out[f"amax {dname}"] = access(amax._amax_kernel, dict(IS_BF16=bf16, BLOCK_=4096),
+                                      dtype)
+    return out
+
+
 def delayed_linear_cases() -> dict:
     """A linear layer with delayed FP8 scaling over four steps of very different amaxes, the
     amax kernel writing each operand's amax into its history entry: the Triton kernels against
@@ -339,7 +394,8 @@ def fp8_cases(compare, random3d, special) -> dict:
     tiles = wide_random((200, 150), seed=14)
     tiles[130:140, 10] = float("inf")                  # one tile NaN, the others not
     inputs = {"random3d": random3d, "specials": special, "tiles": tiles,
-              "tiny": wide_random((20, 40), seed=15) * 1e-37}
+              "tiny": wide_random((20, 40), seed=15) * 1e-37,
+              "whole blocks": wide_random((6, 256), seed=23)}
     for fmt in ("fp8_e4m3", "fp8_e5m2"):
         for name, x in inputs.items():
             for dname, dtype in DTYPES.items():
@@ -416,6 +472,29 @@ def test_nvfp4_2d_tile_kernel_is_bit_exact(kernel_results):
     assert not failures, failures
 
 
+def test_kernels_move_the_operands_in_16_byte_vectors():
+    """The QDQ kernels compiled for sm_90 (in a process without the interpreter; no GPU
+    needed): every element load and store of the operand is a 16-byte vector access (4
+    float32 or 8 bf16 values), along whichever axis the blocks run; the only scalar loads are
+    the per-tensor amax and the Hadamard signs."""
+    env = {k: v for k, v in child_env().items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-sm90"],
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    access = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(access) == 2 * (3 * 2 + 4)
+    for name, kinds in access.items():
+        if name.startswith("amax "):        # loads only; one atomic per program
+            assert set(kinds) == {"ld.global.v4.b32"}, (name, kinds)
+            continue
+        stores = {k: n for k, n in kinds.items() if k.startswith("st.")}
+        assert set(stores) == {"st.global.v4.b32"}, (name, kinds)
+        vector_loads = kinds.get("ld.global.v4.b32", 0)
+        assert vector_loads >= stores["st.global.v4.b32"], (name, kinds)
+        scalar_loads = sum(n for k, n in kinds.items() if k.startswith("ld.") and "v4" not in k)
+        assert scalar_loads <= (6 if "rht" in name else 1), (name, kinds)
+
+
 def test_delayed_scaling_with_the_amax_kernel_is_bit_exact(kernel_results):
     cases = {k: v for k, v in kernel_results.items() if k.startswith("delayed linear ")}
     assert len(cases) == 2 * (4 * 3 + 1)          # 2 algorithms x (4 steps x 3 results + 1)
@@ -424,9 +503,9 @@ def test_delayed_scaling_with_the_amax_kernel_is_bit_exact(kernel_results):
 
 
 @pytest.mark.parametrize("scaling, count", [
-    ("tensor", 2 * 4 * 2 * (6 * 3 + 1)),          # formats x inputs x dtypes x (amax x margin
-    ("1x128", 2 * 2 * (3 + 2 + 2 + 2) * 2 + 2 * 4 * 2),   # + stochastic); axes x pow2 + SR
-    ("128x128", 2 * 3 * 2),                        # the 2-D inputs
+    ("tensor", 2 * 5 * 2 * (6 * 3 + 1)),          # formats x inputs x dtypes x (amax x margin
+    ("1x128", 2 * 2 * (3 + 2 + 2 + 2 + 2) * 2 + 2 * 5 * 2),   # + SR); axes x pow2 + SR
+    ("128x128", 2 * 4 * 2),                        # the 2-D inputs
 ])
 def test_fp8_kernel_is_bit_exact(kernel_results, scaling, count):
     cases = {k: v for k, v in kernel_results.items()
@@ -534,6 +613,11 @@ def test_an_unknown_quant_kernels_value_is_an_error(capsys):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--compile-sm90"]:
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            sys.exit("compile without TRITON_INTERPRET")
+        print(json.dumps(vector_access()))
+        sys.exit(0)
     require_interpreter()
     import numpy as np
     np.seterr(all="ignore")     # the interpreter's numpy: 1/0 and overflow are intended

@@ -14,21 +14,48 @@ import triton
 import triton.language as tl
 
 
+# How a program's blocks along the quantized axis lie in memory (tensor seen as [outer, length,
+# inner]); axis_layout picks one per call. The loads run along contiguous memory in every one,
+# so that the compiler can issue 16-byte vector loads and stores.
+ROWS = 0        # inner == 1 with a short last block: blocks along rows, tails masked
+FLAT = 1        # inner == 1, length a multiple of the block: the blocks tile the memory
+COLUMNS = 2     # inner > 1: a program takes one block-row of GROUP_ consecutive columns
+
+
 @triton.jit
 def block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_: tl.constexpr,
-                  SIZE: tl.constexpr):
-    """(offsets, mask), each [GROUP_, SIZE]: this program's GROUP_ blocks of SIZE elements
-    along the quantized axis of a tensor viewed as [outer, length, inner] (a short last block
-    masked), read in place whatever the axis."""
-    block = tl.program_id(0).to(tl.int64) * GROUP_ + tl.arange(0, GROUP_)
-    col = block % inner
-    row = block // inner
-    nb = row % blocks_per_row
-    outer = row // blocks_per_row
-    n = nb[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
-    mask = (block < n_blocks)[:, None] & (n < length)
-    offs = (outer[:, None] * length + n) * inner + col[:, None]
+                  SIZE: tl.constexpr, LAYOUT: tl.constexpr):
+    """(offsets, mask) of this program's GROUP_ blocks of SIZE elements along the quantized
+    axis, read in place whatever the axis: [GROUP_, SIZE] (one block per row) for ROWS and
+    FLAT, [SIZE, GROUP_] (one block per column, consecutive columns adjacent in memory) for
+    COLUMNS; as_blocks turns a loaded tile to one block per row."""
+    if LAYOUT == 2:
+        col_groups = (inner + GROUP_ - 1) // GROUP_
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid // col_groups                          # (outer, block number) pair
+        n = (row % blocks_per_row) * SIZE + tl.arange(0, SIZE)
+        cols = (pid % col_groups) * GROUP_ + tl.arange(0, GROUP_)
+        offs = ((row // blocks_per_row) * length + n)[:, None] * inner + cols[None, :]
+        mask = (n < length)[:, None] & (cols < inner)[None, :]
+    elif LAYOUT == 1:
+        block = tl.program_id(0).to(tl.int64) * GROUP_ + tl.arange(0, GROUP_)
+        offs = block[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
+        mask = tl.broadcast_to((block < n_blocks)[:, None], (GROUP_, SIZE))
+    else:
+        block = tl.program_id(0).to(tl.int64) * GROUP_ + tl.arange(0, GROUP_)
+        nb = block % blocks_per_row
+        n = nb[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
+        mask = (block < n_blocks)[:, None] & (n < length)
+        offs = (block // blocks_per_row)[:, None] * length + n
     return offs, mask
+
+
+@triton.jit
+def as_blocks(tile, LAYOUT: tl.constexpr):
+    """A tile loaded at block_offsets with one block per row (its own inverse)."""
+    if LAYOUT == 2:
+        tile = tl.trans(tile)
+    return tile
 
 
 @triton.jit
@@ -158,6 +185,16 @@ def axis_blocks(shape, axis: int, size: int):
     inner = math.prod(shape[axis + 1:])
     blocks_per_row = -(-length // size)
     return math.prod(shape[:axis]) * blocks_per_row * inner, length, inner, blocks_per_row
+
+
+def axis_layout(shape, axis: int, size: int, group: int):
+    """(block_offsets' arguments, LAYOUT, number of programs) for blocks of `size` along `axis`
+    and `group` blocks per program."""
+    args = axis_blocks(shape, axis, size)
+    n_blocks, length, inner, _ = args
+    if inner > 1:
+        return args, COLUMNS, (n_blocks // inner) * -(-inner // group)
+    return args, FLAT if length % size == 0 else ROWS, -(-n_blocks // group)
 
 
 def square_tiles(shape, size: int):

@@ -31,8 +31,8 @@ from megatron.quantization.formats.fp8 import (
     FP8_TILE, FLT_MAX, block_value_for_inf, scaled_max)
 from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
-    axis_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, square_tiles,
-    store_bits, tile_offsets)
+    ROWS, as_blocks, axis_layout, block_offsets, load_bits, load_noise, pack, round_to_grid,
+    square_tiles, store_bits, tile_offsets)
 
 BLOCK = 2048        # elements per program, per-tensor scaling
 GROUP_1D = 16       # 1x128 blocks per program
@@ -86,19 +86,25 @@ def _fp8_block_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_p
                       scaled_max, VALUE_FOR_INF: tl.constexpr, TILE_2D: tl.constexpr,
                       POW2: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr,
                       MBITS: tl.constexpr, TOP_SIG: tl.constexpr, STOCHASTIC: tl.constexpr,
-                      IS_BF16: tl.constexpr, GROUP_: tl.constexpr):
-    if TILE_2D:     # n_blocks tiles of [length rows, inner columns]
+                      IS_BF16: tl.constexpr, LAYOUT: tl.constexpr, GROUP_: tl.constexpr):
+    if TILE_2D:     # n_blocks tiles of [length rows, inner columns]; LAYOUT unused
         offs, mask = tile_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 128)
+        u = load_bits(x_ptr, offs, mask, IS_BF16)
     else:
-        offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 128)
-    u = load_bits(x_ptr, offs, mask, IS_BF16)
+        offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 128,
+                                   LAYOUT)
+        u = as_blocks(load_bits(x_ptr, offs, mask, IS_BF16), LAYOUT)
     amax_bits = tl.max(u & 0x7FFFFFFF, axis=1)
     scale, scale_inv = _scales(amax_bits.to(tl.float32, bitcast=True), scaled_max,
                                VALUE_FOR_INF, POW2)
     noise = load_noise(noise_ptr, offs, mask, STOCHASTIC)
+    if STOCHASTIC and not TILE_2D:
+        noise = as_blocks(noise, LAYOUT)
     y = _round_scaled(u, scale[:, None], scale_inv[:, None], noise, EMAX, EMIN, MBITS, TOP_SIG,
                       STOCHASTIC)
     y = tl.where((amax_bits >= 0x7F800000)[:, None], 0x7FC00000, y)   # the tile is NaN
+    if not TILE_2D:
+        y = as_blocks(y, LAYOUT)
     store_bits(y_ptr, offs, mask, y, IS_BF16)
 
 
@@ -125,7 +131,7 @@ def fp8_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scaling: str,
     info = FORMAT_INFO[fmt]
     common = dict(POW2=bool(pow2_scale), STOCHASTIC=noise is not None,
                   IS_BF16=x.dtype == torch.bfloat16, enable_reflect_ftz=False,
-                  **_element_constants(fmt))
+                  enable_fp_fusion=False, **_element_constants(fmt))
     noise_arg = x if noise is None else noise.contiguous()
     top = scaled_max(info.max_normal, margin)
     if scaling == "tensor":
@@ -134,12 +140,15 @@ def fp8_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scaling: str,
             x, noise_arg, y, amax_arg, x.numel(), top, DELAYED=amax is not None, BLOCK_=BLOCK,
             **common)
         return y
-    tiles = tuple(block) == (FP8_TILE, FP8_TILE)
-    layout = square_tiles(x.shape, FP8_TILE) if tiles else axis_blocks(x.shape, axis, FP8_TILE)
-    group = 1 if tiles else GROUP_1D
-    _fp8_block_kernel[(triton.cdiv(layout[0], group),)](
-        x, noise_arg, y, *layout, top, VALUE_FOR_INF=block_value_for_inf(x.dtype),
-        TILE_2D=tiles, GROUP_=group, **common)
+    if tuple(block) == (FP8_TILE, FP8_TILE):
+        args, group, layout = square_tiles(x.shape, FP8_TILE), 1, ROWS
+        programs = args[0]
+    else:
+        group = GROUP_1D
+        args, layout, programs = axis_layout(x.shape, axis, FP8_TILE, group)
+    _fp8_block_kernel[(programs,)](
+        x, noise_arg, y, *args, top, VALUE_FOR_INF=block_value_for_inf(x.dtype),
+        TILE_2D=group == 1, LAYOUT=layout, GROUP_=group, **common)
     return y
 
 

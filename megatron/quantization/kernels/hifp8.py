@@ -59,5 +59,5 @@ def hifp8_fake_quantize_triton(x: torch.Tensor, saturate: bool) -> torch.Tensor:
         return y
     _hifp8_qdq_kernel[(triton.cdiv(x.numel(), BLOCK),)](
         x, y, x.numel(), SATURATE=bool(saturate),
-        IS_BF16=x.dtype == torch.bfloat16, BLOCK_=BLOCK)
+        IS_BF16=x.dtype == torch.bfloat16, BLOCK_=BLOCK, enable_fp_fusion=False)
     return y

@@ -38,7 +38,8 @@ import triton.language as tl
 
 from megatron.quantization.formats.common import FORMAT_INFO, MX_BLOCK_SIZE
 from megatron.quantization.kernels.bits import (
-    axis_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, store_bits)
+    as_blocks, axis_layout, block_offsets, load_bits, load_noise, pack, round_to_grid,
+    store_bits)
 from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
 
 GROUP = 64          # blocks of 32 per program: 2048 elements
@@ -70,19 +71,21 @@ def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, signs_ptr, n_blocks, length, inner, 
                    EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                    TOP_SIG: tl.constexpr, BUMP_ABOVE: tl.constexpr,
                    STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, RHT: tl.constexpr,
-                   INV_SQRT: tl.constexpr, WIDTH: tl.constexpr, GROUP_: tl.constexpr):
+                   INV_SQRT: tl.constexpr, WIDTH: tl.constexpr, LAYOUT: tl.constexpr,
+                   GROUP_: tl.constexpr):
     # GROUP_ runs of WIDTH elements along the axis: one MX block, or (RHT) whole transform
     # blocks holding whole MX blocks (or two MX halves of one 32-block for RHT 16).
-    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, WIDTH)
-    u = load_bits(x_ptr, offs, mask, IS_BF16)
+    offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, WIDTH, LAYOUT)
+    u = as_blocks(load_bits(x_ptr, offs, mask, IS_BF16), LAYOUT)
     if RHT > 0:
         u = rotate(u, signs_ptr, GROUP_, WIDTH, RHT, INV_SQRT, IS_BF16)
     noise = load_noise(noise_ptr, offs, mask, STOCHASTIC)
     if STOCHASTIC:
-        noise = tl.reshape(noise, [GROUP_ * WIDTH // 32, 32])
+        noise = tl.reshape(as_blocks(noise, LAYOUT), [GROUP_ * WIDTH // 32, 32])
     res = mx_quantize_blocks(tl.reshape(u, [GROUP_ * WIDTH // 32, 32]), noise, EMAX, EMIN,
                              MBITS, TOP_SIG, BUMP_ABOVE, STOCHASTIC)
-    store_bits(y_ptr, offs, mask, tl.reshape(res, [GROUP_, WIDTH]), IS_BF16)
+    store_bits(y_ptr, offs, mask, as_blocks(tl.reshape(res, [GROUP_, WIDTH]), LAYOUT),
+               IS_BF16)
 
 
 def scale_rule_threshold(fmt: str, scale_mode: str) -> int:
@@ -133,11 +136,11 @@ def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: st
         return y
     rotation = hadamard_launch(rht, x.device)
     width = max(MX_BLOCK_SIZE, rotation["RHT"])
-    n_blocks, length, inner, blocks_per_row = axis_blocks(x.shape, axis, width)
     group = GROUP * MX_BLOCK_SIZE // width
-    _mx_qdq_kernel[(triton.cdiv(n_blocks, group),)](
-        x, x if noise is None else noise.contiguous(), y, rotation.pop("signs"), n_blocks,
-        length, inner, blocks_per_row, STOCHASTIC=noise is not None,
-        IS_BF16=x.dtype == torch.bfloat16, WIDTH=width, GROUP_=group, **rotation,
+    args, layout, programs = axis_layout(x.shape, axis, width, group)
+    _mx_qdq_kernel[(programs,)](
+        x, x if noise is None else noise.contiguous(), y, rotation.pop("signs"), *args,
+        STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16, WIDTH=width,
+        LAYOUT=layout, GROUP_=group, enable_fp_fusion=False, **rotation,
         **format_constants(fmt, scale_mode))
     return y

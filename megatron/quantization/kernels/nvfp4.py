@@ -32,8 +32,8 @@ from megatron.quantization.formats.common import NVFP4_BLOCK_SIZE
 from megatron.quantization.formats.nvfp4 import ONE_OVER_2688_F32, FLT_MAX, ONE_SIXTH_F32
 from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
-    axis_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, square_tiles,
-    store_bits, tile_offsets)
+    ROWS, as_blocks, axis_layout, block_offsets, load_bits, load_noise, pack, round_to_grid,
+    square_tiles, store_bits, tile_offsets)
 from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
 
 GROUP = 128         # blocks of 16 per program: 2048 elements
@@ -50,14 +50,16 @@ def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, imposed_ptr, signs_ptr,
                       length, inner, blocks_per_row, IMPOSED: tl.constexpr,
                       TILE_2D: tl.constexpr, STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr,
                       RHT: tl.constexpr, INV_SQRT: tl.constexpr, WIDTH: tl.constexpr,
-                      GROUP_: tl.constexpr):
+                      LAYOUT: tl.constexpr, GROUP_: tl.constexpr):
     # GROUP_ rows of WIDTH elements: 16x16 tiles (TILE_2D, WIDTH 256), or runs along the axis
     # of one block of 16 or (RHT) of one transform block holding whole blocks of 16.
     if TILE_2D:     # n_blocks tiles of [length rows, inner columns]; blocks_per_row per row
         offs, mask = tile_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 16)
+        u = load_bits(x_ptr, offs, mask, IS_BF16)
     else:
-        offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, WIDTH)
-    u = load_bits(x_ptr, offs, mask, IS_BF16)
+        offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, WIDTH,
+                                   LAYOUT)
+        u = as_blocks(load_bits(x_ptr, offs, mask, IS_BF16), LAYOUT)
     if RHT > 0:
         u = rotate(u, signs_ptr, GROUP_, WIDTH, RHT, INV_SQRT, IS_BF16)
     BLOCKS: tl.constexpr = GROUP_ * WIDTH // (256 if TILE_2D else 16)
@@ -91,12 +93,12 @@ def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, imposed_ptr, signs_ptr,
     vbits = v.to(tl.int32, bitcast=True)
     noise = load_noise(noise_ptr, offs, mask, STOCHASTIC)
     if STOCHASTIC:
-        noise = tl.reshape(noise, [BLOCKS, 256 if TILE_2D else 16])
+        noise = tl.reshape(as_blocks(noise, LAYOUT), [BLOCKS, 256 if TILE_2D else 16])
     q, qe = round_to_grid(vbits & 0x7FFFFFFF, 0, noise, 0, 1, 3, 2, STOCHASTIC)   # E2M1
     qv = (pack(q, qe) | ((vbits >> 31) << 31)).to(tl.float32, bitcast=True)
     y = (qv * dec[:, None]).to(tl.int32, bitcast=True)
     y = tl.where(finite, y, 0x7FC00000)
-    store_bits(y_ptr, offs, mask, tl.reshape(y, [GROUP_, WIDTH]), IS_BF16)
+    store_bits(y_ptr, offs, mask, as_blocks(tl.reshape(y, [GROUP_, WIDTH]), LAYOUT), IS_BF16)
 
 
 def nvfp4_fake_quantize_triton(x: torch.Tensor, axis: int, noise: Optional[torch.Tensor] = None,
@@ -117,17 +119,19 @@ def nvfp4_fake_quantize_triton(x: torch.Tensor, axis: int, noise: Optional[torch
         return y
     rotation = hadamard_launch(rht, x.device)
     signs = rotation.pop("signs")
-    if block_2d:
-        layout, group, width = square_tiles(x.shape, NVFP4_BLOCK_SIZE), GROUP_2D, 256
+    if block_2d:     # LAYOUT is not used by the tile path
+        args, group, width = square_tiles(x.shape, NVFP4_BLOCK_SIZE), GROUP_2D, 256
+        layout, programs = ROWS, triton.cdiv(args[0], group)
     else:
         width = max(NVFP4_BLOCK_SIZE, rotation["RHT"])
-        layout = axis_blocks(x.shape, axis, width)
         group = GROUP * NVFP4_BLOCK_SIZE // width
-    data_amax = tensor_amax(x, layout if rht else None, signs, **rotation)
-    _nvfp4_qdq_kernel[(triton.cdiv(layout[0], group),)](
+        args, layout, programs = axis_layout(x.shape, axis, width, group)
+    data_amax = tensor_amax(x, axis if rht else None, signs, **rotation)
+    _nvfp4_qdq_kernel[(programs,)](
         x, x if noise is None else noise.contiguous(), y, data_amax,
-        data_amax if amax is None else amax, signs, *layout, IMPOSED=amax is not None,
+        data_amax if amax is None else amax, signs, *args, IMPOSED=amax is not None,
         TILE_2D=bool(block_2d), STOCHASTIC=noise is not None,
-        IS_BF16=x.dtype == torch.bfloat16, WIDTH=width, GROUP_=group, **rotation,
+        IS_BF16=x.dtype == torch.bfloat16, WIDTH=width, LAYOUT=layout, GROUP_=group,
+        enable_fp_fusion=False, **rotation,
         enable_reflect_ftz=False)      # div_rn keeps float32 subnormals, as eager does
     return y
