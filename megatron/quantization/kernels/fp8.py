@@ -33,9 +33,10 @@ from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
     ROWS, as_blocks, axis_layout, block_offsets, load_bits, load_noise, pack, round_to_grid,
     square_tiles, store_bits, tile_offsets)
+from megatron.quantization.kernels.tuning import launch
 
-BLOCK = 2048        # elements per program, per-tensor scaling
-GROUP_1D = 16       # 1x128 blocks per program
+# Elements per program the launches tune over (the first under the interpreter).
+ELEMENTS_PER_PROGRAM = (2048, 1024, 4096, 8192)
 _EXPONENT_MASK = 0x7F800000
 
 
@@ -136,20 +137,26 @@ def fp8_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scaling: str,
     top = scaled_max(info.max_normal, margin)
     if scaling == "tensor":
         amax_arg = tensor_amax(x) if amax is None else amax
-        _fp8_tensor_kernel[(triton.cdiv(x.numel(), BLOCK),)](
-            x, noise_arg, y, amax_arg, x.numel(), top, DELAYED=amax is not None, BLOCK_=BLOCK,
-            **common)
+        launch(_fp8_tensor_kernel, "BLOCK_", ELEMENTS_PER_PROGRAM,
+               lambda block: triton.cdiv(x.numel(), block),
+               (x, noise_arg, y, amax_arg, x.numel(), top), key=("numel", "STOCHASTIC"),
+               DELAYED=amax is not None, **common)
         return y
-    if tuple(block) == (FP8_TILE, FP8_TILE):
-        args, group, layout = square_tiles(x.shape, FP8_TILE), 1, ROWS
-        programs = args[0]
-    else:
-        group = GROUP_1D
-        args, layout, programs = axis_layout(x.shape, axis, FP8_TILE, group)
-    _fp8_block_kernel[(programs,)](
-        x, noise_arg, y, *args, top, VALUE_FOR_INF=block_value_for_inf(x.dtype),
-        TILE_2D=group == 1, LAYOUT=layout, GROUP_=group, **common)
-    return y
+    if tuple(block) == (FP8_TILE, FP8_TILE):       # one 128x128 tile per program
+        args, groups, layout = square_tiles(x.shape, FP8_TILE), [1], ROWS
 
+        def programs(group):
+            return args[0]
+    else:
+        groups = [size // FP8_TILE for size in ELEMENTS_PER_PROGRAM]
+        args, layout, _ = axis_layout(x.shape, axis, FP8_TILE, groups[0])
+
+        def programs(group):
+            return axis_layout(x.shape, axis, FP8_TILE, group)[2]
+    launch(_fp8_block_kernel, "GROUP_", groups, programs, (x, noise_arg, y, *args, top),
+           key=("n_blocks", "inner", "LAYOUT", "STOCHASTIC", "TILE_2D"),
+           VALUE_FOR_INF=block_value_for_inf(x.dtype), TILE_2D=groups == [1], LAYOUT=layout,
+           **common)
+    return y
 
 assert FLT_MAX == 3.4028234663852886e38

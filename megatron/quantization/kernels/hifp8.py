@@ -17,8 +17,10 @@ import triton
 import triton.language as tl
 
 from megatron.quantization.kernels.bits import load_bits, store_bits
+from megatron.quantization.kernels.tuning import launch
 
-BLOCK = 2048
+# Elements per program the launch tunes over (the first under the interpreter).
+ELEMENTS_PER_PROGRAM = (2048, 1024, 4096, 8192)
 
 
 @triton.jit
@@ -57,7 +59,7 @@ def hifp8_fake_quantize_triton(x: torch.Tensor, saturate: bool) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    _hifp8_qdq_kernel[(triton.cdiv(x.numel(), BLOCK),)](
-        x, y, x.numel(), SATURATE=bool(saturate),
-        IS_BF16=x.dtype == torch.bfloat16, BLOCK_=BLOCK, enable_fp_fusion=False)
+    launch(_hifp8_qdq_kernel, "BLOCK_", ELEMENTS_PER_PROGRAM,
+           lambda block: triton.cdiv(x.numel(), block), (x, y, x.numel()), key=("numel",),
+           SATURATE=bool(saturate), IS_BF16=x.dtype == torch.bfloat16, enable_fp_fusion=False)
     return y

@@ -1,10 +1,10 @@
 """MX quantize-dequantize in one Triton kernel (integer arithmetic on the float bits).
 
 A tensor is seen as [outer, length, inner] with the block axis in the middle (no copy: any
-axis of a contiguous tensor). A program takes GROUP blocks of 32 elements; consecutive block
-numbers are consecutive along `inner` (or along the axis when inner == 1), so the loads of one
-tile are contiguous in memory. Per block, in integer arithmetic on the float32 bits (a bf16
-value is its high 16 bits):
+axis of a contiguous tensor). A program takes a group of blocks of 32 elements laid out so that
+its loads and stores are contiguous in memory whatever the axis (bits.block_offsets); how
+many, and its warps, are tuned on the GPU (kernels/tuning.py). Per block, in integer
+arithmetic on the float32 bits (a bf16 value is its high 16 bits):
 
     amax     the largest |x| bit pattern (it orders like the magnitudes; NaN > Inf > finite;
              the zero padding of a short tail never wins), as in the eager path;
@@ -41,8 +41,11 @@ from megatron.quantization.kernels.bits import (
     as_blocks, axis_layout, block_offsets, load_bits, load_noise, pack, round_to_grid,
     store_bits)
 from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
+from megatron.quantization.kernels.tuning import launch
 
-GROUP = 64          # blocks of 32 per program: 2048 elements
+# Elements per program the launch tunes over (the first under the interpreter); a program
+# takes that many divided by its run width (32, or the Hadamard block).
+ELEMENTS_PER_PROGRAM = (2048, 1024, 4096, 8192)
 
 
 @triton.jit
@@ -136,11 +139,13 @@ def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: st
         return y
     rotation = hadamard_launch(rht, x.device)
     width = max(MX_BLOCK_SIZE, rotation["RHT"])
-    group = GROUP * MX_BLOCK_SIZE // width
-    args, layout, programs = axis_layout(x.shape, axis, width, group)
-    _mx_qdq_kernel[(programs,)](
-        x, x if noise is None else noise.contiguous(), y, rotation.pop("signs"), *args,
-        STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16, WIDTH=width,
-        LAYOUT=layout, GROUP_=group, enable_fp_fusion=False, **rotation,
-        **format_constants(fmt, scale_mode))
+    groups = [size // width for size in ELEMENTS_PER_PROGRAM]
+    args, layout, _ = axis_layout(x.shape, axis, width, groups[0])
+    launch(_mx_qdq_kernel, "GROUP_", groups,
+           lambda group: axis_layout(x.shape, axis, width, group)[2],
+           (x, x if noise is None else noise.contiguous(), y, rotation.pop("signs"), *args),
+           key=("n_blocks", "inner", "LAYOUT", "WIDTH", "STOCHASTIC"),
+           STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16, WIDTH=width,
+           LAYOUT=layout, enable_fp_fusion=False, **rotation,
+           **format_constants(fmt, scale_mode))
     return y

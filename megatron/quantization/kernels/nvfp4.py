@@ -35,9 +35,10 @@ from megatron.quantization.kernels.bits import (
     ROWS, as_blocks, axis_layout, block_offsets, load_bits, load_noise, pack, round_to_grid,
     square_tiles, store_bits, tile_offsets)
 from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
+from megatron.quantization.kernels.tuning import launch
 
-GROUP = 128         # blocks of 16 per program: 2048 elements
-GROUP_2D = 8        # 16x16 tiles per program: 2048 elements
+# Elements per program the launch tunes over (the first under the interpreter).
+ELEMENTS_PER_PROGRAM = (2048, 1024, 4096, 8192)
 # The float32 constants as the kernel writes them (Python floats that are float32 values).
 _FLT_MAX = 3.4028234663852886e38
 _RECIP_2688 = 0.00037202381645329297
@@ -120,18 +121,25 @@ def nvfp4_fake_quantize_triton(x: torch.Tensor, axis: int, noise: Optional[torch
     rotation = hadamard_launch(rht, x.device)
     signs = rotation.pop("signs")
     if block_2d:     # LAYOUT is not used by the tile path
-        args, group, width = square_tiles(x.shape, NVFP4_BLOCK_SIZE), GROUP_2D, 256
-        layout, programs = ROWS, triton.cdiv(args[0], group)
+        args, width, layout = square_tiles(x.shape, NVFP4_BLOCK_SIZE), 256, ROWS
+        groups = [size // width for size in ELEMENTS_PER_PROGRAM]
+
+        def programs(group):
+            return triton.cdiv(args[0], group)
     else:
         width = max(NVFP4_BLOCK_SIZE, rotation["RHT"])
-        group = GROUP * NVFP4_BLOCK_SIZE // width
-        args, layout, programs = axis_layout(x.shape, axis, width, group)
+        groups = [size // width for size in ELEMENTS_PER_PROGRAM]
+        args, layout, _ = axis_layout(x.shape, axis, width, groups[0])
+
+        def programs(group):
+            return axis_layout(x.shape, axis, width, group)[2]
     data_amax = tensor_amax(x, axis if rht else None, signs, **rotation)
-    _nvfp4_qdq_kernel[(programs,)](
-        x, x if noise is None else noise.contiguous(), y, data_amax,
-        data_amax if amax is None else amax, signs, *args, IMPOSED=amax is not None,
-        TILE_2D=bool(block_2d), STOCHASTIC=noise is not None,
-        IS_BF16=x.dtype == torch.bfloat16, WIDTH=width, LAYOUT=layout, GROUP_=group,
-        enable_fp_fusion=False, **rotation,
-        enable_reflect_ftz=False)      # div_rn keeps float32 subnormals, as eager does
+    launch(_nvfp4_qdq_kernel, "GROUP_", groups, programs,
+           (x, x if noise is None else noise.contiguous(), y, data_amax,
+            data_amax if amax is None else amax, signs, *args),
+           key=("n_blocks", "inner", "LAYOUT", "WIDTH", "STOCHASTIC", "TILE_2D"),
+           IMPOSED=amax is not None, TILE_2D=bool(block_2d), STOCHASTIC=noise is not None,
+           IS_BF16=x.dtype == torch.bfloat16, WIDTH=width, LAYOUT=layout,
+           enable_fp_fusion=False, **rotation,
+           enable_reflect_ftz=False)      # div_rn keeps float32 subnormals, as eager does
     return y

@@ -1,0 +1,50 @@
+"""The QDQ kernels' launch configuration: a fixed one under Triton's interpreter, triton's
+autotuner over the work per program and the warps on a GPU (no kernel runs here: the
+launches are recorded)."""
+
+from megatron.quantization.kernels import tuning
+
+
+class Recorded:
+    """A stand-in kernel: records the grid and the keywords of each launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def test_the_interpreter_runs_the_first_size_untuned(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = Recorded()
+    tuning.launch(kernel, "GROUP_", [64, 32, 128], lambda g: 1000 // g, ("x",), key=("n",),
+                  LAYOUT=2)
+    assert kernel.launches == [((15,), ("x",), {"GROUP_": 64, "LAYOUT": 2})]
+
+
+def test_a_gpu_launch_goes_through_the_autotuner_with_a_grid_per_configuration(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tuned = Recorded()
+    made = []
+
+    def autotuned(kernel, meta, sizes, key):
+        made.append((kernel, meta, sizes, key))
+        return tuned
+    monkeypatch.setattr(tuning, "_autotuned", autotuned)
+    kernel = object()
+    tuning.launch(kernel, "BLOCK_", [2048, 1024], lambda b: -(-5000 // b), ("x", "y"),
+                  key=("numel", "STOCHASTIC"), STOCHASTIC=True)
+    assert made == [(kernel, "BLOCK_", (2048, 1024), ("numel", "STOCHASTIC"))]
+    ((grid, args, kwargs),) = tuned.launches
+    assert args == ("x", "y") and kwargs == {"STOCHASTIC": True}     # the tuned size is not
+    assert grid({"BLOCK_": 1024}) == (5,) and grid({"BLOCK_": 2048}) == (3,)   # passed twice
+
+
+def test_the_autotuner_tries_every_size_with_every_warp_count():
+    from megatron.quantization.kernels.mx import _mx_qdq_kernel
+    tuned = tuning._autotuned(_mx_qdq_kernel, "GROUP_", (64, 32), ("n_blocks", "LAYOUT"))
+    assert tuned is tuning._autotuned(_mx_qdq_kernel, "GROUP_", (64, 32), ("n_blocks", "LAYOUT"))
+    assert sorted((c.kwargs["GROUP_"], c.num_warps) for c in tuned.configs) == [
+        (32, 4), (32, 8), (64, 4), (64, 8)]
+    assert list(tuned.keys) == ["n_blocks", "LAYOUT"]
