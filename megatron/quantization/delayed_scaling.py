@@ -76,9 +76,9 @@ class AmaxHistories:
         if x.numel() == 0:
             entry.zero_()
         elif amax_into is None:
-            entry.copy_(fp8_amax(x.detach()))
+            entry.copy_(fp8_amax(x))
         else:
-            amax_into(x.detach(), entry)
+            amax_into(x, entry)
         _reduce_max(entry)
         return entry[0].clone() if self.current else used
 
@@ -93,8 +93,11 @@ class AmaxHistories:
         return entry[0].clone() if self.current else used
 
     def _used(self, slot, ring: torch.Tensor) -> torch.Tensor:
-        """The amax the scale comes from: the history's max, or its newest entry."""
-        return ring.max() if self.algo == "max" else ring[self.newest[slot]].clone()
+        """The amax the scale comes from: the history's max, or its newest entry (a new 0-d
+        tensor either way: the entry itself will be overwritten)."""
+        if self.algo == "max":
+            return ring.max()
+        return ring.narrow(0, self.newest[slot], 1).amax()
 
     def _push(self, slot, ring: torch.Tensor) -> torch.Tensor:
         """The one-element view of the slot that the next amax goes into (the oldest entry's,

@@ -46,6 +46,9 @@ def test_the_transform_is_the_documented_butterfly_bit_for_bit(block):
                        torch.from_numpy(numpy_butterfly_rht(xb.float().numpy(), block, 9))
                        .bfloat16())
     assert torch.equal(random_hadamard_transform(x.t().contiguous(), 0, block, 9).t(), got)
+    # The differentiable path (autograd on) computes the same operations.
+    tracked = random_hadamard_transform(x.clone().requires_grad_(), -1, block, 9)
+    assert tracked.requires_grad and torch.equal(tracked.detach(), got)
 
 
 class Recorder:

@@ -70,7 +70,7 @@ def signs_on(block: int, seed: int, device: torch.device, dtype: torch.dtype) ->
 
 def butterflies(z: torch.Tensor, block: int) -> torch.Tensor:
     """H_block z over the last axis of z (its length `block`), by the butterflies with strides
-    1, 2, ..., block/2 in that order (one rounding per sum)."""
+    1, 2, ..., block/2 in that order (one rounding per sum). Differentiable."""
     lead = z.shape[:-1]
     h = 1
     while h < block:
@@ -79,6 +79,22 @@ def butterflies(z: torch.Tensor, block: int) -> torch.Tensor:
         z = torch.stack((a + c, a - c), -2).reshape(*lead, block)
         h *= 2
     return z
+
+
+def _butterflies_in_place(z: torch.Tensor, block: int) -> torch.Tensor:
+    """butterflies() on a contiguous z without autograd, its sums and differences written
+    into two buffers in turn (the same operations, so the same bits; no temporaries)."""
+    src, dst = z, torch.empty_like(z)
+    lead = z.shape[:-1]
+    h = 1
+    while h < block:
+        pairs = src.view(*lead, block // (2 * h), 2, h)
+        out = dst.view(*lead, block // (2 * h), 2, h)
+        torch.add(pairs[..., 0, :], pairs[..., 1, :], out=out[..., 0, :])
+        torch.sub(pairs[..., 0, :], pairs[..., 1, :], out=out[..., 1, :])
+        src, dst = dst, src
+        h *= 2
+    return src
 
 
 def random_hadamard_transform(x: torch.Tensor, axis: int = -1, block: int = 16,
@@ -99,7 +115,17 @@ def random_hadamard_transform(x: torch.Tensor, axis: int = -1, block: int = 16,
         raise ValueError(f"random_hadamard_transform: the length {n} along axis {axis} is not "
                          f"a multiple of the Hadamard block {block}")
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rows = x.movedim(axis, -1).to(cdtype).unflatten(-1, (n // block, block))
-    z = butterflies(rows * signs_on(block, int(seed), x.device, cdtype), block)
-    y = (z * inverse_sqrt(block, cdtype)).flatten(-2)
-    return y.movedim(-1, axis).to(x.dtype)
+    rows = x.movedim(axis, -1).unflatten(-1, (n // block, block))
+    signs = signs_on(block, int(seed), x.device, cdtype)
+    scale = inverse_sqrt(block, cdtype)
+    if torch.is_grad_enabled() and x.requires_grad:
+        z = butterflies(rows.to(cdtype) * signs, block)
+        return (z * scale).flatten(-2).movedim(-1, axis).to(x.dtype)
+    # Without autograd: one contiguous float buffer for the signed rows, the butterflies in
+    # place, and the scaled result written straight into x's layout and dtype.
+    z = torch.empty(rows.shape, dtype=cdtype, device=x.device)
+    torch.mul(rows, signs, out=z)
+    z = _butterflies_in_place(z, block)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    torch.mul(z, scale, out=out.movedim(axis, -1).unflatten(-1, (n // block, block)))
+    return out
