@@ -83,6 +83,8 @@ CASES = {
     "mxfp6_e3m2": ("mxfp6_e3m2", {}),
     "fp8_e4m3": ("fp8_e4m3", {"scaling": "tensor"}),
     "fp8_e4m3_1x128": ("fp8_e4m3", {"scaling": "block", "block": (1, 128)}),
+    "nvfp4_16x16": ("nvfp4", {"block_2d": True}),
+    "nvfp4_rht16": ("nvfp4", {"rht": (16, 0)}),
 }
 FORMATS = tuple(CASES)
 TARGETS = {"mxfp8_e4m3": 4.0, "mxfp8_e5m2": 4.0, "mxfp4": 8.0, "hifp8": 8.0}
@@ -119,9 +121,10 @@ def triton_candidates(device: torch.device) -> dict:
     found = {}
     for label, (fmt, options) in CASES.items():
         kind = format_info(fmt).kind
-        if options or kernels.unsupported_reason(kind, fmt, torch.float32, "nearest"):
+        if kernels.unsupported_reason(kind, fmt, torch.float32, "nearest"):
             continue
-        found[label] = lambda t, f=fmt: dispatch.fake_quantize(t, f, kernels="triton")
+        found[label] = lambda t, f=fmt, o=options: dispatch.fake_quantize(t, f, kernels="triton",
+                                                                         **o)
     return found
 
 
