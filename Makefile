@@ -78,6 +78,7 @@ gpu-check: install
 bench: install
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/glue.py
+	$(PY) benchmarks/hadamard.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/capture.py
 	$(PY) benchmarks/analysis.py
