@@ -273,7 +273,7 @@ def hadamard_cases(compare) -> dict:
 def hadamard_linear_cases() -> dict:
     from megatron.quantization.config import (
         BackendSettings, MatmulQuantConfig, OperandFormats, RhtSettings)
-    from megatron.quantization.gemm import SiteState, quantized_linear
+    from megatron.quantization.gemm import SiteState
     from megatron.quantization.runtime import QuantRuntime
     results = {}
     g = torch.Generator().manual_seed(21)
@@ -285,17 +285,27 @@ def hadamard_linear_cases() -> dict:
         cfg = MatmulQuantConfig(fprop=ops, dgrad=ops, wgrad=ops,
                                 stochastic=frozenset({"dgrad.a", "wgrad.b"}),
                                 rht=RhtSettings(("fprop", "dgrad", "wgrad"), 16, 8))
-        outs = {}
-        for mode in ("eager", "triton"):
-            state = SiteState("layer", cfg, QuantRuntime(BackendSettings(kernels=mode)))
+        states = {mode: SiteState("layer", cfg, QuantRuntime(BackendSettings(kernels=mode)))
+                  for mode in ("eager", "triton")}
+        for state in states.values():
             state.runtime.start_iteration(seed=1, iteration=1)
-            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-            y = quantized_linear(xi, wi, None, cfg, state=state)
-            y.backward(grad)
-            outs[mode] = (y.detach(), xi.grad, wi.grad)
-        for name, a, b in zip(("y", "dx", "dw"), outs["triton"], outs["eager"]):
-            results[f"rht linear {fmt} {name}"] = _mismatch(a, b)
+        for name, mismatch in linear_in_both_modes(cfg, states, x, w, grad).items():
+            results[f"rht linear {fmt} {name}"] = mismatch
     return results
+
+
+def linear_in_both_modes(cfg, states, x, w, grad) -> dict:
+    """{result: mismatch} of one forward and backward of a linear layer with the Triton
+    kernels (states["triton"]) against eager PyTorch (states["eager"])."""
+    from megatron.quantization.gemm import quantized_linear
+    outs = {}
+    for mode, state in states.items():
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = quantized_linear(xi, wi, None, cfg, state=state)
+        y.backward(grad)
+        outs[mode] = (y.detach(), xi.grad, wi.grad)
+    return {name: _mismatch(a, b) for name, a, b in zip(("y", "dx", "dw"), outs["triton"],
+                                                          outs["eager"])}
 
 
 def vector_access() -> dict:
@@ -355,7 +365,7 @@ def delayed_linear_cases() -> dict:
     eager PyTorch (results and histories), for both amax algorithms."""
     from megatron.quantization.config import (
         BackendSettings, Fp8Settings, MatmulQuantConfig, OperandFormats)
-    from megatron.quantization.gemm import SiteState, quantized_linear
+    from megatron.quantization.gemm import SiteState
     from megatron.quantization.runtime import QuantRuntime
     results = {}
     g = torch.Generator().manual_seed(22)
@@ -371,14 +381,8 @@ def delayed_linear_cases() -> dict:
             x = (torch.randn(24, 64, generator=g) * scale).bfloat16()
             w = torch.randn(48, 64, generator=g).bfloat16()
             grad = (torch.randn(24, 48, generator=g) / scale).bfloat16()
-            outs = {}
-            for mode, state in states.items():
-                xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-                y = quantized_linear(xi, wi, None, cfg, state=state)
-                y.backward(grad)
-                outs[mode] = (y.detach(), xi.grad, wi.grad)
-            for name, a, b in zip(("y", "dx", "dw"), outs["triton"], outs["eager"]):
-                results[f"delayed linear {algo} step={step} {name}"] = _mismatch(a, b)
+            for name, mismatch in linear_in_both_modes(cfg, states, x, w, grad).items():
+                results[f"delayed linear {algo} step={step} {name}"] = mismatch
         histories = [state.amax.state_dict() for state in states.values()]
         results[f"delayed linear {algo} histories"] = (
             None if histories[0] == histories[1] else f"{histories[1]} vs {histories[0]}")
