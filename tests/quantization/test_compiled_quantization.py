@@ -72,11 +72,12 @@ def quantize(call: Call, x: torch.Tensor, kernels: str) -> torch.Tensor:
 
 def guard_set(call: Call) -> tuple:
     """What a compiled graph is specialised on: the call's kind, format, dtype and options,
-    and which sizes of the graph input are 1 (Dynamo's 0/1 specialisation): for blocks along
+    (not a Hadamard transform, applied before the graph), and which sizes of the graph input
+    are 1 (Dynamo's 0/1 specialisation): for blocks along
     an axis [outer, blocks, block, inner], for 2-D tiles [row tiles, ., column tiles, .], for
     element-wise and per-tensor formats the one flat size. Nothing else: not the rank, the
     axis, a tail, requires_grad or the memory layout."""
-    options = tuple(sorted((k, str(v)) for k, v in call.options.items()))
+    options = tuple(sorted((k, str(v)) for k, v in call.options.items() if k != "rht"))
     scaled = (call.fmt, call.dtype, options, call.amax is not None, call.seed is not None)
     n = math.prod(call.shape)
     size = BLOCK_SIZES.get(call.kind)
@@ -122,6 +123,8 @@ RUN = [
          requires_grad=True),
     Call("nvfp4", (70, 48), options=dict(block_2d=True), amax=1e8, transposed=True,
          special=False),
+    # A Hadamard transform runs eagerly before the graph of the plain call: no graph of its own.
+    Call("nvfp4", (40, 64), options=dict(rht=(16, 3)), special=False),
     # FP8: current and delayed tensor scaling, 1x128 blocks along the tokens: 1 each.
     Call("fp8_e4m3", (40, 70), requires_grad=True),
     Call("fp8_e4m3", (3, 5, 7)),
