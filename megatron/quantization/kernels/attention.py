@@ -48,22 +48,45 @@ path, where the chunked path draws K and V anew at every chunk); the kernels qua
 and dS (four "tile slots"), with MX formats (or none), round to nearest, any MX scale rule
 (floor, rceil, ceil, even).
 
-Kernels: the forward (one program per query tile and group: pass 1 and pass 2 over the key
-tiles); the backward's query kernel (per query tile: a pass for delta, a pass for dQ) and key
-kernel (per key tile: dK and dV over the query tiles, reading delta). That is 12 tile GEMMs
-per (query tile, key tile) pair where FlashAttention-2 runs 7: QK^T is recomputed in each of
-the five passes and dO V^T in each of the three backward ones.
+Kernels, and what each (query tile, key tile) pair costs them:
+* the forward, per query tile: pass 1 over the key tiles for m and l, pass 2 for P and O.
+  Computing QK^T twice is inherent to quantizing P: the MX blocks quantize the final P, which
+  needs the row's m and l over every key, so no P @ V product can start before pass 1 ends
+  (FlashAttention's running O, rescaled as m grows, would quantize P against a provisional
+  m). 3 tile GEMMs.
+* the dQ kernel, per query tile: a pass for delta (S and dP), then one for dQ (S, dP, dQ):
+  5 tile GEMMs.
+* the dK/dV kernel, per key tile, over the query tiles: S, dP, dV and dK: 4 tile GEMMs. Its
+  tiles are [keys, rows] (S^T = K Q^T, dP^T = V dO^T), so that the quantizations along the
+  rows run along the tiles' last axis like the others (see _mx_along_last).
+That is 12 tile GEMMs where FlashAttention-2 runs 7; the kernels' time goes to the
+elementwise work per score (the MX quantizations above all), not to the GEMMs. The backward
+stays two deterministic kernels: one pass over the key tiles could add every key tile's part
+of dQ with fp32 atomics, but their order varies from run to run and training must be
+reproducible bit for bit (a resumed run equals the uninterrupted one); and the dQ pass must
+know delta over all keys before its first dS anyway.
+Causal masking: the forward and the dQ kernel first run over the key tiles that every row of
+the query tile sees in full (no mask, no selects), then over the diagonal ones (and a key
+tile past sk). The dK/dV kernel masks every tile of a causal call: a second, unmasked copy of
+its body cost more in registers (spills) than the mask does (some 9 of its ~160 instructions
+per score on sm_90).
+Operands are loaded in their dtype and fed to tl.dot as they are (pipelined into shared
+memory on a GPU), and the roundings to bf16 are the GPU's conversion instruction; the bit
+arithmetic is left to the MX quantizations, which need it.
 
 What is exact:
 * Every tile quantization is bit for bit eager fake_quantize(T, fmt, axis, scale_mode) of the
   kernel's own unquantized T (P along keys and rows, dS along keys and rows), tail blocks
   (sk or R not multiples of 32) included: the same integer arithmetic on the float bits as the
-  MX QDQ kernel (mx.mx_quantize_blocks), and every rounding to bf16 is done on the bits, to
-  nearest even.
+  MX QDQ kernel (mx.mx_quantize_blocks), and every rounding to bf16 is to nearest even (the
+  GPU's conversion instruction; under the interpreter, whose conversion truncates, on the
+  bits).
 * The roundings of S, S * scale, P, dP, dx and dS to the input dtype sit where the chunked
   path has them.
-* The backward recomputes the forward's P bit for bit (same code, same Q_q and K_q: the QK^T
-  fprop operands must be quantized reproducibly, see `unsupported_reason`).
+* The backward recomputes the forward's P bit for bit (same Q_q and K_q: the QK^T fprop
+  operands must be quantized reproducibly, see `unsupported_reason`; the forward's m and l;
+  and S, which is tile-shape independent, see "Tile configurations").
+* The results do not depend on what autotuning picks (see "Tile configurations").
 * Key tiles that the causal mask hides from every row of a query tile are skipped (not for a
   tile holding a row that sees no key). Their P and dS are exactly zero -- exp(-10000 - m)
   underflows to 0 once the row's max m is above about -9896 -- so skipping changes no bit
@@ -71,7 +94,7 @@ What is exact:
   skipping makes the same assumption; skip_masked_tiles=False visits every tile).
 
 What differs from the chunked path (summation order and transcendental functions only):
-* fp32 accumulation order of every GEMM (tiles of 64 vs the BLAS's order), of the softmax sum
+* fp32 accumulation order of every GEMM (tiles vs the BLAS's order), of the softmax sum
   (online over key tiles, rescaled by exp(m_old - m_new)) and of delta;
 * exp (Triton's, an approximation on GPUs) instead of torch's;
 * dK and dV are rounded to the dtype once, after accumulating all query rows in fp32; the
@@ -80,17 +103,17 @@ What differs from the chunked path (summation order and transcendental functions
 A last-bit difference in P_fp32 or S can flip a later rounding (to bf16, or to the MX grid), so
 results agree with the chunked path to the rounding of the dtype, not bit for bit.
 
-On a CUDA GPU the bf16 GEMMs run as bf16 tl.dot (fp32 accumulation) and fp32 ones with
-input_precision "ieee" (no TF32); under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors)
-every tl.dot runs on the fp32 values (the interpreter cannot multiply bf16), which are the
-same numbers. The kernels are compiled without floating-point contraction, so no rounding step
-above is fused away.
+On a CUDA GPU bf16 operands are loaded as they are and multiplied by bf16 tl.dot (fp32
+accumulation), fp32 ones with input_precision "ieee" (no TF32); under Triton's interpreter
+(TRITON_INTERPRET=1, CPU tensors) every tl.dot runs on the fp32 values (the interpreter cannot
+multiply bf16), which are the same numbers. The kernels are compiled without floating-point
+contraction, so no rounding step above is fused away.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -101,19 +124,6 @@ from megatron.quantization.kernels import interpreter_enabled
 from megatron.quantization.kernels.bits import load_bits, store_bits
 from megatron.quantization.kernels.mx import format_constants, mx_quantize_blocks
 
-# (query rows, keys) per tile, each a multiple of 32 so that tiles hold whole MX blocks along
-# either axis; chosen for an H100 at d = 128 (the in-register MX quantization is heavy on
-# registers: larger tiles spill).
-FORWARD_TILE = (64, 64)
-BACKWARD_QUERY_TILE = (32, 64)
-BACKWARD_KEY_TILE = (32, 64)
-# Under Triton's interpreter every kernel takes this one tile shape. There tl.dot is numpy's
-# matmul, whose float32 summation order depends on the operands' shapes (OpenBLAS picks its
-# kernels by size), so the backward kernels recompute the forward's QK^T, and so P, bit for
-# bit only when all of them multiply tiles of one shape. On a GPU the reduction over the head
-# dim runs in one order whatever the tile's rows and keys.
-INTERPRETER_TILE = (32, 64)
-NUM_WARPS = 8
 MAX_HEAD_DIM = 128  # largest d and dv (padded to a power of two in registers)
 MASK_FILL = tl.constexpr(-10000.0)   # megatron's attention_mask_func fill
 DTYPES = (torch.bfloat16, torch.float32)
@@ -125,100 +135,247 @@ OperandQuantizer = Callable[[str, str, str, str, torch.Tensor, int], torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------
+# Tile configurations
+# ---------------------------------------------------------------------------------------------
+# On a GPU the kernels are autotuned (triton.autotune, once per head dims, dtype and
+# constexprs) among the configurations below. Autotuning picks by timing, and another process
+# (a resumed run) may time them differently, so it may only choose among configurations that
+# give the same bits. What depends on the configuration:
+# * S = Q K^T of one (row, key) is a dot product over the head dim: fp32 FMAs in k order
+#   (fp32) or tensor-core steps of 16 along k (bf16), whatever the tile's rows and keys, as
+#   long as one instruction family runs them: the first operand of every bf16 tl.dot has 64
+#   or 128 rows and warps come in fours, so on Hopper every one is a wgmma (Ampere:
+#   mma.sync). So is dP = dO V^T. The accumulations over whole rows or keys (O and dQ over
+#   the keys, dK and dV over the rows) chain their k-steps in place in ascending order,
+#   whatever the tile; a skipped tile would have added exact zeros.
+# * m, a maximum, is exact in any order. l is not: it is summed online, rescaled at every key
+#   tile, each tile's part summed by tl.sum in an order set by the register layout; so it
+#   depends on the forward's key tile width and its layout (tile shape and warps). Likewise
+#   delta (a tl.sum per key tile) in the dQ kernel.
+# * The backward reads m and l from the forward and computes P = exp(x - m) / l element by
+#   element: the forward's P bit for bit, whatever the backward's tiles.
+# So the forward and the dQ kernel take one tile shape and warp count per GPU generation and
+# dtype (timed: only their pipeline stages, which move loads, not arithmetic); the dK/dV
+# kernel, which sums nothing but its tl.dot chains, is timed over tile shapes and warps.
+# Under Triton's interpreter (the CPU tests) nothing is timed: each kernel takes its
+# INTERPRETER_TILES entry. There tl.dot is numpy's matmul, whose float32 summation order
+# depends on the operands' shapes and layouts (OpenBLAS picks its kernels by size), so by
+# default the three kernels multiply tiles of one shape, and the dK/dV kernel computes S and
+# dP in the forward's orientation: then they recompute the forward's S, and P, bit for bit.
+INTERPRETER_TILES = dict.fromkeys(("forward", "query", "key"), (64, 64))  # (rows, keys)
+
+
+class TileConfig(NamedTuple):
+    block_m: int        # query rows per tile (a multiple of 32: whole MX row blocks)
+    block_n: int        # keys per tile (a multiple of 32)
+    warps: int
+    stages: int
+
+    def triton(self) -> "triton.Config":
+        return triton.Config({"BLOCK_M_": self.block_m, "BLOCK_N_": self.block_n},
+                             num_warps=self.warps, num_stages=self.stages)
+
+    @classmethod
+    def of(cls, config: "triton.Config") -> "TileConfig":
+        return cls(config.kwargs["BLOCK_M_"], config.kwargs["BLOCK_N_"], config.num_warps,
+                   config.num_stages)
+
+
+# The figures below are sm_90 compilations (ptxas registers and spills, SASS instructions
+# per tile element) at d = 64 and 128, causal, MXFP8.
+# (rows, keys, warps) of the forward and the dQ kernel by (compute capability major, dtype),
+# major 0 for any other GPU. Hopper: 128 x 64 with 8 warps, each warp 16 whole rows (row
+# reductions stay in a warp; 64-row tiles on 8 warps would hold every element twice) and 32
+# elements per thread: 170-240 registers, no spill (the dQ kernel spills ~100 bytes at
+# d = 128). fp32 multiplies with FMAs and spills whatever the tile: small tiles, 8 warps.
+ROW_TILES = {
+    (9, torch.bfloat16): (128, 64, 8),
+    (0, torch.bfloat16): (64, 64, 4),
+    (0, torch.float32): (64, 64, 8),
+}
+ROW_STAGES = {torch.bfloat16: (2, 3), torch.float32: (1,)}
+# (rows, keys, warps) the dK/dV kernel is timed over, by dtype and head dim (up to 64 or
+# 128): its tiles are [keys, rows], 128 keys for 8 warps (each warp 16 whole keys), and it
+# holds dK and dV besides, so fewer rows: 155-160 instructions per score, 207-255 registers,
+# spills of at most ~120 bytes (4 warps leave room for two blocks per SM, 8 warps for one).
+# Its loads sit in a conditional (the skipped tiles) and are not pipelined: one stage.
+KEY_TILES = {
+    (torch.bfloat16, 64): ((32, 64, 4), (32, 128, 8), (64, 128, 8)),
+    (torch.bfloat16, 128): ((32, 64, 4), (32, 128, 8)),
+    (torch.float32, 64): ((32, 64, 8),),
+    (torch.float32, 128): ((32, 64, 8),),
+}
+
+
+def tile_configs(kernel: str, capability: Tuple[int, int], dtype: torch.dtype,
+                 head_dim: int) -> List[TileConfig]:
+    """The configurations `kernel` ("forward", "query" or "key") is timed over on a GPU of
+    compute capability `capability`, for operands of `dtype` and the larger head dim."""
+    if kernel in ("forward", "query"):
+        major = capability[0] if (capability[0], dtype) in ROW_TILES else 0
+        return [TileConfig(*ROW_TILES[(major, dtype)], s) for s in ROW_STAGES[dtype]]
+    return [TileConfig(*tile, 1) for tile in KEY_TILES[(dtype, 64 if head_dim <= 64 else 128)]]
+
+
+def _autotuned(kernel, name: str, formats: Tuple[str, ...]):
+    """kernel autotuned among tile_configs(name, ...) of the launch's device, dtype and head
+    dims; the kernel itself under the interpreter (launched with INTERPRETER_TILES)."""
+    if interpreter_enabled():
+        return kernel
+    every = {c: None for (major, dtype) in ROW_TILES for head_dim in (64, 128)
+             for c in tile_configs(name, (major, 0), dtype, head_dim)}
+
+    def prune(configs, named_args, **kwargs):
+        q = named_args["q_ptr"]
+        wanted = tile_configs(name, torch.cuda.get_device_capability(q.device), q.dtype,
+                              max(kwargs["BLOCK_D"], kwargs["BLOCK_DV"]))
+        return [c for c in configs if TileConfig.of(c) in wanted]
+
+    return triton.autotune([c.triton() for c in every],
+                           key=["D", "DV", "CAUSAL", "SKIP", "IS_BF16", "DEBUG", *formats],
+                           prune_configs_by={"early_config_prune": prune})(kernel)
+
+
+# ---------------------------------------------------------------------------------------------
 # Tile building blocks
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _round_to_dtype(x, IS_BF16: tl.constexpr):
-    """x (float32) rounded to the input dtype and kept in float32: bf16 to nearest even on the
-    bits (the interpreter's float cast truncates; NaN stays NaN); float32 unchanged."""
+def _round_to_dtype(x, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x (float32) rounded to the input dtype to nearest even and kept in float32 (float32: x
+    itself). On a GPU the conversion instruction; the interpreter's conversion truncates, so
+    there the bits are rounded (NaN stays NaN)."""
     if IS_BF16:
-        bits = x.to(tl.int32, bitcast=True)
-        mag = bits & 0x7FFFFFFF
-        rounded = ((mag + (0x7FFF + ((mag >> 16) & 1))) >> 16) << 16
-        rounded = tl.where(mag > 0x7F800000, mag, rounded)
-        x = (rounded | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+        if INTERPRETED:
+            bits = x.to(tl.int32, bitcast=True)
+            mag = bits & 0x7FFFFFFF
+            rounded = ((mag + (0x7FFF + ((mag >> 16) & 1))) >> 16) << 16
+            rounded = tl.where(mag > 0x7F800000, mag, rounded)
+            x = (rounded | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+        else:
+            x = x.to(tl.bfloat16).to(tl.float32)
     return x
 
 
 @triton.jit
-def _operand(x, DOT_BF16: tl.constexpr):
-    """A tile of input-dtype values (held in float32) as a tl.dot operand: bf16 on a GPU
-    (exact: the values are bf16 numbers), float32 otherwise."""
-    if DOT_BF16:
+def _operand(x, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x (float32) rounded to the input dtype as a tl.dot operand: on a GPU in that dtype (one
+    conversion), under the interpreter in float32 (it cannot multiply bf16)."""
+    if IS_BF16 and not INTERPRETED:
         x = x.to(tl.bfloat16)
+    else:
+        x = _round_to_dtype(x, IS_BF16, INTERPRETED)
     return x
 
 
 @triton.jit
-def _load(ptr, rows, cols, row_stride, col_stride, n_rows, n_cols, IS_BF16: tl.constexpr):
-    """float32 values of the tile [rows, cols] of a matrix at ptr (int16 view of bf16 or
-    int32 view of float32 data) with the given strides; zeros outside [n_rows, n_cols)."""
+def _load(ptr, rows, cols, row_stride, col_stride, n_rows, n_cols, IS_BF16: tl.constexpr,
+          INTERPRETED: tl.constexpr):
+    """The tile [rows, cols] of a matrix at ptr with the given strides, in its dtype (zeros
+    outside [n_rows, n_cols)): a tl.dot operand as it is on a GPU (loaded straight into shared
+    memory, pipelined); under the interpreter widened to float32 (exact)."""
     offs = rows[:, None] * row_stride + cols[None, :] * col_stride
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    return load_bits(ptr, offs, mask, IS_BF16).to(tl.float32, bitcast=True)
+    if INTERPRETED:     # read as bits: the interpreter's conversions mishandle subnormals
+        x = load_bits(ptr, offs, mask, IS_BF16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
-def _store(ptr, rows, cols, row_stride, col_stride, n_rows, n_cols, x,
-           IS_BF16: tl.constexpr):
-    """Store the float32 tile x at [rows, cols], rounded to the dtype (nearest even)."""
+def _store(ptr, rows, cols, row_stride, col_stride, n_rows, n_cols, x, IS_BF16: tl.constexpr,
+           INTERPRETED: tl.constexpr):
+    """Store the float32 tile x at [rows, cols], rounded to the tensor's dtype (nearest even:
+    the store's conversion on a GPU, the bits under the interpreter)."""
     offs = rows[:, None] * row_stride + cols[None, :] * col_stride
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    store_bits(ptr, offs, mask, x.to(tl.int32, bitcast=True), IS_BF16)
+    if INTERPRETED:
+        store_bits(ptr, offs, mask, x.to(tl.int32, bitcast=True), IS_BF16)
+    else:
+        tl.store(ptr + offs, x, mask=mask)
 
 
 @triton.jit
-def _quantize_rows_of(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr,
-                      IS_BF16: tl.constexpr):
+def _mx_along_last(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr):
     """x [ROWS, COLS] (input-dtype values in float32) MX quantize-dequantized in blocks of 32
-    consecutive elements of each row, rounded to the dtype: eager fake_quantize along the
-    last axis. FMT = (enabled, EMAX, EMIN, MBITS, TOP_SIG, BUMP_ABOVE); x itself when not
-    enabled. Elements outside the tensor must be zero (they pad a short tail block)."""
+    consecutive elements along the last axis: eager fake_quantize along that axis before its
+    rounding to the dtype (the caller's _operand or _round_to_dtype). FMT = (enabled, EMAX,
+    EMIN, MBITS, TOP_SIG, BUMP_ABOVE); x itself when not enabled. Elements outside the tensor
+    must be zero (they pad a short tail block).
+
+    The blocks run along the last axis of a tl.dot result, in which a GPU thread holds 2
+    adjacent elements of every 8 and the 4 threads of a quad share a row: a block is 8
+    registers in each of 4 threads, its maximum 7 register maxima and 2 shuffles, and the
+    reshapes relabel registers (no data moves). Along the first axis a block of 32 would
+    span two warps (16 rows each) and its maximum go through shared memory: so the dK/dV
+    kernel computes its tiles as [keys, rows]."""
     if FMT[0]:
         blocks = tl.reshape(x.to(tl.int32, bitcast=True), (ROWS * COLS // 32, 32))
         res = mx_quantize_blocks(blocks, 0, FMT[1], FMT[2], FMT[3], FMT[4], FMT[5], False)
-        x = _round_to_dtype(tl.reshape(res, (ROWS, COLS)).to(tl.float32, bitcast=True),
-                            IS_BF16)
+        x = tl.reshape(res, (ROWS, COLS)).to(tl.float32, bitcast=True)
     return x
 
 
 @triton.jit
-def _last_visible_key(rows, SQ, SK):
-    """The last key each grouped-layout row sees under the causal mask (negative: none)."""
-    return rows % SQ + (SK - SQ)
-
-
-@triton.jit
-def _key_end(last_visible, row_ok, SK, LIMIT: tl.constexpr):
-    """End of the keys a query tile must visit: past the last key any of its rows sees, or all
-    keys when some row sees none (its probabilities spread over every key) or not LIMIT."""
-    reach = tl.max(tl.where(row_ok, last_visible + 1, 0), axis=0)
-    blind = tl.max((row_ok & (last_visible < 0)).to(tl.int32), axis=0)
-    return tl.where((blind == 0) & LIMIT, tl.minimum(reach, SK), SK)
-
-
-@triton.jit
-def _scores(q, kt, scale, cols, last_visible, SK, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
-            PRECISION: tl.constexpr):
-    """x = float(dtype(dtype(Q K^T) * scale)), -10000 where the causal mask hides the key,
-    -inf past the last key (not part of the softmax): [BLOCK_M, BLOCK_N] float32."""
-    s = _round_to_dtype(tl.dot(q, kt, input_precision=PRECISION), IS_BF16)
-    x = _round_to_dtype(s * scale, IS_BF16)
-    if CAUSAL:
-        x = tl.where(cols[None, :] > last_visible[:, None], MASK_FILL, x)
-    return tl.where(cols[None, :] < SK, x, float("-inf"))
+def _scaled_scores(s, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x = float(dtype(dtype(S) * scale)) from the fp32 products S."""
+    return _round_to_dtype(_round_to_dtype(s, IS_BF16, INTERPRETED) * scale, IS_BF16,
+                           INTERPRETED)
 
 
 @triton.jit
 def _probs32(x, m, l):
-    """The fp32 softmax exp(x - m) / l (IEEE division), as torch computes it."""
-    return tl.math.div_rn(tl.exp(x - m[:, None]), l[:, None])
+    """The fp32 softmax exp(x - m) / l (IEEE division), as torch computes it; m and l
+    broadcast like x."""
+    return tl.math.div_rn(tl.exp(x - m), l)
 
 
 @triton.jit
-def _hidden(cols, last_visible, SK, CAUSAL: tl.constexpr):
-    """Where the mask hides the key (and past the last key)."""
+def _score_grad(dx, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """dS from the softmax backward's fp32 dx (zero where hidden): the backward of the
+    .float() cast (round to the dtype) and of * scale (round again)."""
+    return _round_to_dtype(_round_to_dtype(dx, IS_BF16, INTERPRETED) * scale, IS_BF16,
+                           INTERPRETED)
+
+
+@triton.jit
+def _key_ranges(rows, last_visible, R, SK, BLOCK_N_: tl.constexpr, CAUSAL: tl.constexpr,
+                SKIP: tl.constexpr):
+    """(full, end) for a query tile: the key tiles below `full` lie inside sk and every row
+    of the tile sees all their keys (no masking); those from `full` to `end` are masked.
+    `end` is past the last key any row sees, or sk when some row sees none (its
+    probabilities spread over every key) or when not SKIP."""
+    row_ok = rows < R
+    if CAUSAL:
+        seen_by_all = tl.min(tl.where(row_ok, last_visible, SK), axis=0) + 1
+        full = tl.minimum(tl.maximum(seen_by_all, 0), SK) // BLOCK_N_ * BLOCK_N_
+        reach = tl.max(tl.where(row_ok, last_visible + 1, 0), axis=0)
+        blind = tl.max((row_ok & (last_visible < 0)).to(tl.int32), axis=0)
+        end = tl.where((blind == 0) & SKIP, tl.minimum(reach, SK), SK)
+    else:
+        full = SK // BLOCK_N_ * BLOCK_N_
+        end = SK
+    return full, end
+
+
+@triton.jit
+def _row_scores(q, kt, cols, last_visible, scale, SK, MASKED: tl.constexpr,
+                CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """x [rows, keys] of a query tile and a key tile (see _scaled_scores); MASKED: -10000
+    where the causal mask hides the key, -inf past the last key (outside the softmax)."""
+    x = _scaled_scores(tl.dot(q, kt, input_precision=PRECISION), scale, IS_BF16, INTERPRETED)
+    if MASKED:
+        if CAUSAL:
+            x = tl.where(cols[None, :] > last_visible[:, None], MASK_FILL, x)
+        x = tl.where(cols[None, :] < SK, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _row_hidden(cols, last_visible, SK, CAUSAL: tl.constexpr):
+    """[rows, keys]: where the mask hides the key, or it is past the last key."""
     hidden = cols[None, :] >= SK
     if CAUSAL:
         hidden = hidden | (cols[None, :] > last_visible[:, None])
@@ -226,33 +383,25 @@ def _hidden(cols, last_visible, SK, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _score_grad(p32, dp, delta, hidden, scale, IS_BF16: tl.constexpr):
-    """dS from dP: softmax backward in fp32, masked_fill's backward (zero where hidden), then
-    the backward of the .float() cast (round to the dtype) and of * scale (round again)."""
-    dx = tl.where(hidden, 0.0, p32 * (dp - delta[:, None]))
-    return _round_to_dtype(_round_to_dtype(dx, IS_BF16) * scale, IS_BF16)
+def _positions(m0, SQ, BLOCK_M_: tl.constexpr):
+    """rows % sq of the rows m0 .. m0 + BLOCK_M_ - 1: one scalar remainder and a select per row
+    when the tile spans at most two heads (a remainder is some 20 instructions, and the tiles
+    of the dK/dV kernel would take one per row of each thread's part of the tile)."""
+    pos = m0 % SQ + tl.arange(0, BLOCK_M_)
+    if SQ >= BLOCK_M_:
+        pos = tl.where(pos >= SQ, pos - SQ, pos)
+    else:
+        pos = pos % SQ
+    return pos
 
 
 @triton.jit
-def _tile_needed(rows, row_ok, first_key, SQ, SK, LIMIT: tl.constexpr):
+def _tile_needed(last_visible, row_ok, first_key, LIMIT: tl.constexpr):
     """Whether a query tile adds to a key tile's dK and dV: unless some row sees a key of the
     tile or sees no key at all (spread over every key), its P and dS there are zero."""
-    last_visible = _last_visible_key(rows, SQ, SK)
     seen = tl.max((row_ok & ((last_visible >= first_key) | (last_visible < 0))).to(tl.int32),
                   axis=0)
     return (seen > 0) | (not LIMIT)
-
-
-@triton.jit
-def _store_debug(ptr, rows, cols, R, SK, x, IS_BF16: tl.constexpr):
-    """A [rows, keys] tile of a debug tensor [R, SK]."""
-    _store(ptr, rows, cols, SK, 1, R, SK, x, IS_BF16)
-
-
-@triton.jit
-def _store_debug_t(ptr, rows, cols, R, SK, x_t, IS_BF16: tl.constexpr):
-    """A transposed [keys, rows] tile of a debug tensor [R, SK]."""
-    _store(ptr, cols, rows, 1, SK, SK, R, x_t, IS_BF16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,59 +409,131 @@ def _store_debug_t(ptr, rows, cols, R, SK, x_t, IS_BF16: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
+def _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
+                INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
+    """The forward's pass 1 over one key tile: m and l updated (online)."""
+    cols = n0 + tl.arange(0, BLOCK_N_)
+    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
+    x = _row_scores(q, kt, cols, last_visible, scale, SK, MASKED, CAUSAL, IS_BF16, INTERPRETED,
+                    PRECISION)
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+    return m_new, l
+
+
+@triton.jit
+def _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims, last_visible,
+                 m, l, scale, R, SK, D, DV, P_FMT: tl.constexpr, MASKED: tl.constexpr,
+                 CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                 PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
+                 BLOCK_N_: tl.constexpr):
+    """The forward's pass 2 over one key tile: acc += MX_keys(P) @ V."""
+    cols = n0 + tl.arange(0, BLOCK_N_)
+    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
+    x = _row_scores(q, kt, cols, last_visible, scale, SK, MASKED, CAUSAL, IS_BF16, INTERPRETED,
+                    PRECISION)
+    p = _round_to_dtype(_probs32(x, m[:, None], l[:, None]), IS_BF16, INTERPRETED)
+    pq = _mx_along_last(p, BLOCK_M_, BLOCK_N_, P_FMT)
+    v = _load(v_ptr, cols, vdims, DV, 1, SK, DV, IS_BF16, INTERPRETED)
+    acc = tl.dot(_operand(pq, IS_BF16, INTERPRETED), v, acc, input_precision=PRECISION)
+    if DEBUG:
+        _store(p_dbg, rows, cols, SK, 1, R, SK, p, IS_BF16, INTERPRETED)
+        _store(pq_dbg, rows, cols, SK, 1, R, SK, pq, IS_BF16, INTERPRETED)
+    return acc
+
+
+@triton.jit
 def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, l_ptr, p_dbg, pq_dbg, scale,
                     R, SQ, SK, D, DV,
                     P_FMT: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
-                    IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr, PRECISION: tl.constexpr,
+                    IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
                     DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Per query tile: out = MX_keys(P) @ V and the rows' softmax statistics m and l."""
     g = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M_ + tl.arange(0, BLOCK_M_)
-    row_ok = rows < R
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    q_ptr += g * R * D
     kt_ptr += g * D * SK
     v_ptr += g * SK * DV
-    q = _operand(_load(q_ptr, rows, dims, D, 1, R, D, IS_BF16), DOT_BF16)
-    last_visible = _last_visible_key(rows, SQ, SK)
-    end = _key_end(last_visible, row_ok, SK, SKIP)
+    p_dbg += g * R * SK
+    pq_dbg += g * R * SK
+    q = _load(q_ptr + g * R * D, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
+    last_visible = rows % SQ + (SK - SQ)        # the last key each row sees (negative: none)
+    full, end = _key_ranges(rows, last_visible, R, SK, BLOCK_N_, CAUSAL, SKIP)
 
     # Pass 1: each row's max of x and sum of exp(x - max) over the keys it may see.
     m = tl.full((BLOCK_M_,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M_,), tl.float32)
-    for n0 in range(0, end, BLOCK_N_):
-        cols = n0 + tl.arange(0, BLOCK_N_)
-        kt = _operand(_load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16), DOT_BF16)
-        x = _scores(q, kt, scale, cols, last_visible, SK, CAUSAL, IS_BF16, PRECISION)
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
-        m = m_new
+    for n0 in range(0, full, BLOCK_N_):
+        m, l = _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, False,
+                           CAUSAL, IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+    for n0 in range(full, end, BLOCK_N_):
+        m, l = _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, True,
+                           CAUSAL, IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
 
     # Pass 2: the exact probabilities, rounded and quantized, times V.
     acc = tl.zeros((BLOCK_M_, BLOCK_DV), tl.float32)
-    for n0 in range(0, end, BLOCK_N_):
-        cols = n0 + tl.arange(0, BLOCK_N_)
-        kt = _operand(_load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16), DOT_BF16)
-        x = _scores(q, kt, scale, cols, last_visible, SK, CAUSAL, IS_BF16, PRECISION)
-        p = _round_to_dtype(_probs32(x, m, l), IS_BF16)
-        pq = _quantize_rows_of(p, BLOCK_M_, BLOCK_N_, P_FMT, IS_BF16)
-        v = _operand(_load(v_ptr, cols, vdims, DV, 1, SK, DV, IS_BF16), DOT_BF16)
-        acc = tl.dot(_operand(pq, DOT_BF16), v, acc, input_precision=PRECISION)
-        if DEBUG:
-            _store_debug(p_dbg + g * R * SK, rows, cols, R, SK, p, IS_BF16)
-            _store_debug(pq_dbg + g * R * SK, rows, cols, R, SK, pq, IS_BF16)
+    for n0 in range(0, full, BLOCK_N_):
+        acc = _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims,
+                           last_visible, m, l, scale, R, SK, D, DV, P_FMT, False, CAUSAL,
+                           IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
+    for n0 in range(full, end, BLOCK_N_):
+        acc = _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims,
+                           last_visible, m, l, scale, R, SK, D, DV, P_FMT, True, CAUSAL,
+                           IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
 
-    _store(out_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, acc, IS_BF16)
+    _store(out_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, acc, IS_BF16, INTERPRETED)
+    row_ok = rows < R
     tl.store(m_ptr + g * R + rows, m, mask=row_ok)
     tl.store(l_ptr + g * R + rows, l, mask=row_ok)
+
+
+@triton.jit
+def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, l, scale, SK, D, DV,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
+                INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
+    """One key tile's part of delta = sum_j P32_j * dP_j."""
+    cols = n0 + tl.arange(0, BLOCK_N_)
+    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
+    x = _row_scores(q, kt, cols, last_visible, scale, SK, MASKED, CAUSAL, IS_BF16, INTERPRETED,
+                    PRECISION)
+    vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
+    dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
+    return tl.sum(_probs32(x, m[:, None], l[:, None]) * dp, axis=1)
+
+
+@triton.jit
+def _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims, vdims,
+                     last_visible, m, l, delta, scale, R, SK, D, DV, DS_FMT: tl.constexpr,
+                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
+                     INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
+                     BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
+    """One key tile's part of dQ: dq += MX_keys(dS) @ K."""
+    cols = n0 + tl.arange(0, BLOCK_N_)
+    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
+    x = _row_scores(q, kt, cols, last_visible, scale, SK, MASKED, CAUSAL, IS_BF16, INTERPRETED,
+                    PRECISION)
+    vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
+    dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
+    dx = _probs32(x, m[:, None], l[:, None]) * (dp - delta[:, None])
+    if MASKED:
+        dx = tl.where(_row_hidden(cols, last_visible, SK, CAUSAL), 0.0, dx)
+    ds = _score_grad(dx, scale, IS_BF16, INTERPRETED)
+    dsq = _mx_along_last(ds, BLOCK_M_, BLOCK_N_, DS_FMT)
+    k = _load(kd_ptr, cols, dims, 1, SK, SK, D, IS_BF16, INTERPRETED)
+    dq = tl.dot(_operand(dsq, IS_BF16, INTERPRETED), k, dq, input_precision=PRECISION)
+    if DEBUG:
+        _store(ds_dbg, rows, cols, SK, 1, R, SK, ds, IS_BF16, INTERPRETED)
+        _store(dsq_dbg, rows, cols, SK, 1, R, SK, dsq, IS_BF16, INTERPRETED)
+    return dq
 
 
 @triton.jit
 def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, l_ptr, delta_ptr,
                            dq_ptr, ds_dbg, dsq_dbg, scale, R, SQ, SK, D, DV,
                            DS_FMT: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
-                           IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
+                           IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
                            PRECISION: tl.constexpr, DEBUG: tl.constexpr,
                            BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -324,40 +545,90 @@ def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, l_ptr, 
     kt_ptr += g * D * SK
     kd_ptr += g * D * SK
     vd_ptr += g * SK * DV
-    q = _operand(_load(q_ptr + g * R * D, rows, dims, D, 1, R, D, IS_BF16), DOT_BF16)
-    do = _operand(_load(do_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, IS_BF16), DOT_BF16)
+    ds_dbg += g * R * SK
+    dsq_dbg += g * R * SK
+    q = _load(q_ptr + g * R * D, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
+    do = _load(do_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, IS_BF16, INTERPRETED)
     m = tl.load(m_ptr + g * R + rows, mask=row_ok, other=0.0)
     l = tl.load(l_ptr + g * R + rows, mask=row_ok, other=1.0)
-    last_visible = _last_visible_key(rows, SQ, SK)
-    end = _key_end(last_visible, row_ok, SK, SKIP)
+    last_visible = rows % SQ + (SK - SQ)
+    full, end = _key_ranges(rows, last_visible, R, SK, BLOCK_N_, CAUSAL, SKIP)
 
     delta = tl.zeros((BLOCK_M_,), tl.float32)
-    for n0 in range(0, end, BLOCK_N_):
-        cols = n0 + tl.arange(0, BLOCK_N_)
-        kt = _operand(_load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16), DOT_BF16)
-        x = _scores(q, kt, scale, cols, last_visible, SK, CAUSAL, IS_BF16, PRECISION)
-        vt = _operand(_load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16), DOT_BF16)
-        dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16)
-        delta += tl.sum(_probs32(x, m, l) * dp, axis=1)
+    for n0 in range(0, full, BLOCK_N_):
+        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, l, scale,
+                             SK, D, DV, False, CAUSAL, IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+    for n0 in range(full, end, BLOCK_N_):
+        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, l, scale,
+                             SK, D, DV, True, CAUSAL, IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
 
     dq = tl.zeros((BLOCK_M_, BLOCK_D), tl.float32)
-    for n0 in range(0, end, BLOCK_N_):
-        cols = n0 + tl.arange(0, BLOCK_N_)
-        kt = _operand(_load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16), DOT_BF16)
-        x = _scores(q, kt, scale, cols, last_visible, SK, CAUSAL, IS_BF16, PRECISION)
-        vt = _operand(_load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16), DOT_BF16)
-        dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16)
-        ds = _score_grad(_probs32(x, m, l), dp, delta, _hidden(cols, last_visible, SK, CAUSAL),
-                         scale, IS_BF16)
-        dsq = _quantize_rows_of(ds, BLOCK_M_, BLOCK_N_, DS_FMT, IS_BF16)
-        k = _operand(_load(kd_ptr, cols, dims, 1, SK, SK, D, IS_BF16), DOT_BF16)
-        dq = tl.dot(_operand(dsq, DOT_BF16), k, dq, input_precision=PRECISION)
-        if DEBUG:
-            _store_debug(ds_dbg + g * R * SK, rows, cols, R, SK, ds, IS_BF16)
-            _store_debug(dsq_dbg + g * R * SK, rows, cols, R, SK, dsq, IS_BF16)
+    for n0 in range(0, full, BLOCK_N_):
+        dq = _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims,
+                              vdims, last_visible, m, l, delta, scale, R, SK, D, DV, DS_FMT,
+                              False, CAUSAL, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
+                              BLOCK_N_)
+    for n0 in range(full, end, BLOCK_N_):
+        dq = _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims,
+                              vdims, last_visible, m, l, delta, scale, R, SK, D, DV, DS_FMT,
+                              True, CAUSAL, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
+                              BLOCK_N_)
 
-    _store(dq_ptr + g * R * D, rows, dims, D, 1, R, D, dq, IS_BF16)
+    _store(dq_ptr + g * R * D, rows, dims, D, 1, R, D, dq, IS_BF16, INTERPRETED)
     tl.store(delta_ptr + g * R + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, l_ptr, delta_ptr,
+              p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols, last_visible, dims, vdims, scale, R,
+              SK, D, DV,
+              P_FMT: tl.constexpr, DS_FMT: tl.constexpr, MASKED: tl.constexpr,
+              IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+              DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
+    """One query tile's part of dV = MX_rows(P)^T @ dO and dK = MX_rows(dS)^T @ Q, with the
+    tiles as [keys, rows] (k_tile, v_tile: K and V as [keys, d] on a GPU, K^T and V^T as
+    [d, keys] under the interpreter). MASKED: the causal mask hides some key from some row."""
+    row_ok = rows < R
+    q = _load(q_ptr, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
+    # Rows past R get m = +inf: P, and so dS, is exactly zero there, the padding their row
+    # blocks need, without a select per element.
+    m = tl.load(m_ptr + rows, mask=row_ok, other=float("inf"))
+    l = tl.load(l_ptr + rows, mask=row_ok, other=1.0)
+    if INTERPRETED:
+        s_t = tl.trans(tl.dot(q, k_tile, input_precision=PRECISION))
+    else:
+        s_t = tl.dot(k_tile, tl.trans(q), input_precision=PRECISION)
+    x_t = _scaled_scores(s_t, scale, IS_BF16, INTERPRETED)
+    if MASKED:
+        hidden_t = cols[:, None] > last_visible[None, :]
+        x_t = tl.where(hidden_t, MASK_FILL, x_t)
+    # Keys past sk need no mask here: their rows of the [keys, rows] tiles are never stored.
+    p32_t = _probs32(x_t, m[None, :], l[None, :])
+    # dV before dP: fewer [keys, rows] tiles live at once (registers).
+    p_t = _round_to_dtype(p32_t, IS_BF16, INTERPRETED)
+    pq_t = _mx_along_last(p_t, BLOCK_N_, BLOCK_M_, P_FMT)
+    dow = _load(dow_ptr, rows, vdims, DV, 1, R, DV, IS_BF16, INTERPRETED)
+    dv = tl.dot(_operand(pq_t, IS_BF16, INTERPRETED), dow, dv, input_precision=PRECISION)
+
+    do = _load(do_ptr, rows, vdims, DV, 1, R, DV, IS_BF16, INTERPRETED)
+    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+    if INTERPRETED:
+        dp_t = tl.trans(tl.dot(do, v_tile, input_precision=PRECISION))
+    else:
+        dp_t = tl.dot(v_tile, tl.trans(do), input_precision=PRECISION)
+    dx_t = p32_t * (_round_to_dtype(dp_t, IS_BF16, INTERPRETED) - delta[None, :])
+    if MASKED:
+        dx_t = tl.where(hidden_t, 0.0, dx_t)
+    ds_t = _score_grad(dx_t, scale, IS_BF16, INTERPRETED)
+    dsq_t = _mx_along_last(ds_t, BLOCK_N_, BLOCK_M_, DS_FMT)
+    qw = _load(qw_ptr, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
+    dk = tl.dot(_operand(dsq_t, IS_BF16, INTERPRETED), qw, dk, input_precision=PRECISION)
+    if DEBUG:       # [keys, rows] tiles of [R, SK] tensors
+        _store(p_dbg, cols, rows, 1, SK, SK, R, p_t, IS_BF16, INTERPRETED)
+        _store(ds_dbg, cols, rows, 1, SK, SK, R, ds_t, IS_BF16, INTERPRETED)
+        _store(pq_dbg, cols, rows, 1, SK, SK, R, pq_t, IS_BF16, INTERPRETED)
+        _store(dsq_dbg, cols, rows, 1, SK, SK, R, dsq_t, IS_BF16, INTERPRETED)
+    return dk, dv
 
 
 @triton.jit
@@ -365,56 +636,53 @@ def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, 
                          delta_ptr, dkt_ptr, dv_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, scale,
                          R, SQ, SK, D, DV,
                          P_FMT: tl.constexpr, DS_FMT: tl.constexpr, CAUSAL: tl.constexpr,
-                         SKIP: tl.constexpr, IS_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
+                         SKIP: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
                          PRECISION: tl.constexpr, DEBUG: tl.constexpr,
                          BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Per key tile: dV = MX_rows(P)^T @ dO_q and dK = MX_rows(dS)^T @ Q_q over all rows."""
     g = tl.program_id(1).to(tl.int64)
-    cols = tl.program_id(0) * BLOCK_N_ + tl.arange(0, BLOCK_N_)
+    first_key = tl.program_id(0) * BLOCK_N_
+    cols = first_key + tl.arange(0, BLOCK_N_)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     q_ptr += g * R * D
     qw_ptr += g * R * D
     do_ptr += g * R * DV
     dow_ptr += g * R * DV
-    kt = _operand(_load(kt_ptr + g * D * SK, dims, cols, SK, 1, D, SK, IS_BF16), DOT_BF16)
-    vt = _operand(_load(vd_ptr + g * SK * DV, vdims, cols, 1, DV, DV, SK, IS_BF16), DOT_BF16)
-    first_key = tl.program_id(0) * BLOCK_N_
+    m_ptr += g * R
+    l_ptr += g * R
+    delta_ptr += g * R
+    p_dbg += g * R * SK
+    pq_dbg += g * R * SK
+    ds_dbg += g * R * SK
+    dsq_dbg += g * R * SK
+    if INTERPRETED:     # the forward's K^T [d, keys] and the dQ kernel's V^T [dv, keys] tiles
+        k_tile = _load(kt_ptr + g * D * SK, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
+        v_tile = _load(vd_ptr + g * SK * DV, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
+    else:               # K [keys, d] and V [keys, dv]: S^T and dP^T come out as [keys, rows]
+        k_tile = _load(kt_ptr + g * D * SK, cols, dims, 1, SK, SK, D, IS_BF16, INTERPRETED)
+        v_tile = _load(vd_ptr + g * SK * DV, cols, vdims, DV, 1, SK, DV, IS_BF16, INTERPRETED)
 
     dk = tl.zeros((BLOCK_N_, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N_, BLOCK_DV), tl.float32)
     for m0 in range(0, R, BLOCK_M_):
         rows = m0 + tl.arange(0, BLOCK_M_)
-        row_ok = rows < R
-        last_visible = _last_visible_key(rows, SQ, SK)
-        if _tile_needed(rows, row_ok, first_key, SQ, SK, SKIP):
-            q = _operand(_load(q_ptr, rows, dims, D, 1, R, D, IS_BF16), DOT_BF16)
-            do = _operand(_load(do_ptr, rows, vdims, DV, 1, R, DV, IS_BF16), DOT_BF16)
-            m = tl.load(m_ptr + g * R + rows, mask=row_ok, other=0.0)
-            l = tl.load(l_ptr + g * R + rows, mask=row_ok, other=1.0)
-            delta = tl.load(delta_ptr + g * R + rows, mask=row_ok, other=0.0)
-            x = _scores(q, kt, scale, cols, last_visible, SK, CAUSAL, IS_BF16, PRECISION)
-            p32 = tl.where(row_ok[:, None], _probs32(x, m, l), 0.0)
-            p = _round_to_dtype(p32, IS_BF16)
-            dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16)
-            ds = _score_grad(p32, dp, delta, _hidden(cols, last_visible, SK, CAUSAL), scale,
-                             IS_BF16)
-            # Row-blocked quantizations of the transposed tiles: [keys, rows].
-            pq_t = _quantize_rows_of(p.T, BLOCK_N_, BLOCK_M_, P_FMT, IS_BF16)
-            dsq_t = _quantize_rows_of(ds.T, BLOCK_N_, BLOCK_M_, DS_FMT, IS_BF16)
-            dow = _operand(_load(dow_ptr, rows, vdims, DV, 1, R, DV, IS_BF16), DOT_BF16)
-            qw = _operand(_load(qw_ptr, rows, dims, D, 1, R, D, IS_BF16), DOT_BF16)
-            dv = tl.dot(_operand(pq_t, DOT_BF16), dow, dv, input_precision=PRECISION)
-            dk = tl.dot(_operand(dsq_t, DOT_BF16), qw, dk, input_precision=PRECISION)
-            if DEBUG:
-                _store_debug(p_dbg + g * R * SK, rows, cols, R, SK, p, IS_BF16)
-                _store_debug(ds_dbg + g * R * SK, rows, cols, R, SK, ds, IS_BF16)
-                _store_debug_t(pq_dbg + g * R * SK, rows, cols, R, SK, pq_t, IS_BF16)
-                _store_debug_t(dsq_dbg + g * R * SK, rows, cols, R, SK, dsq_t, IS_BF16)
+        last_visible = _positions(m0, SQ, BLOCK_M_) + (SK - SQ)
+        if _tile_needed(last_visible, rows < R, first_key, SKIP):
+            dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
+                               l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
+                               last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT,
+                               CAUSAL, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
+                               BLOCK_N_)
 
     # dK^T [D, SK] is the transpose of the dK tile [keys, D].
-    _store(dkt_ptr + g * D * SK, cols, dims, 1, SK, SK, D, dk, IS_BF16)
-    _store(dv_ptr + g * SK * DV, cols, vdims, DV, 1, SK, DV, dv, IS_BF16)
+    _store(dkt_ptr + g * D * SK, cols, dims, 1, SK, SK, D, dk, IS_BF16, INTERPRETED)
+    _store(dv_ptr + g * SK * DV, cols, vdims, DV, 1, SK, DV, dv, IS_BF16, INTERPRETED)
+
+
+_forward_kernel = _autotuned(_forward_kernel, "forward", ("P_FMT",))
+_backward_query_kernel = _autotuned(_backward_query_kernel, "query", ("DS_FMT",))
+_backward_key_kernel = _autotuned(_backward_key_kernel, "key", ("P_FMT", "DS_FMT"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,35 +714,31 @@ class TileFormats:
 
 
 def _slot_constants(fmt: str, scale_mode: str) -> tuple:
-    """The FMT constexpr of _quantize_rows_of."""
+    """The FMT constexpr of _mx_along_last."""
     if fmt == "none":
         return (False, 0, 0, 0, 0, 0)
     c = format_constants(fmt, scale_mode)
     return (True, c["EMAX"], c["EMIN"], c["MBITS"], c["TOP_SIG"], c["BUMP_ABOVE"])
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The integer view the kernels read and write (int16 for bf16, int32 for float32)."""
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+def _launch_options(dtype: torch.dtype, head_dim: int, value_dim: int) -> dict:
+    """The constexprs and compile options every launch takes (the tile comes from the
+    configuration)."""
+    interpreted = interpreter_enabled()
+    return dict(IS_BF16=dtype == torch.bfloat16, INTERPRETED=interpreted,
+                PRECISION=None if dtype == torch.bfloat16 and not interpreted else "ieee",
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), enable_fp_fusion=False)
 
 
-def launch_tile(tile: tuple) -> tuple:
-    """The (query rows, keys) tile a kernel launches with: `tile` on a GPU, INTERPRETER_TILE
-    under the interpreter."""
-    return INTERPRETER_TILE if interpreter_enabled() else tile
-
-
-def _launch_options(dtype: torch.dtype, head_dim: int, value_dim: int, tile) -> dict:
-    """The constexprs and compile options of a launch with (query rows, keys) tiles."""
-    dot_bf16 = dtype == torch.bfloat16 and not interpreter_enabled()
-    options = dict(IS_BF16=dtype == torch.bfloat16, DOT_BF16=dot_bf16,
-                   PRECISION=None if dot_bf16 else "ieee", BLOCK_M_=tile[0], BLOCK_N_=tile[1],
-                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                   BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
-                   num_warps=NUM_WARPS, enable_fp_fusion=False)
-    if dtype == torch.float32:
-        options["num_stages"] = 1      # fp32 tiles: pipelined loads would overflow shared memory
-    return options
+def _launch(kernel, name: str, grid: Callable[[int, int], tuple], args: list, constexprs: dict):
+    """kernel[grid(rows per tile, keys per tile)](*args): autotuned on a GPU, with
+    INTERPRETER_TILES[name] under the interpreter."""
+    if interpreter_enabled():
+        block_m, block_n = INTERPRETER_TILES[name]
+        kernel[grid(block_m, block_n)](*args, **constexprs, BLOCK_M_=block_m, BLOCK_N_=block_n)
+    else:
+        kernel[lambda meta: grid(meta["BLOCK_M_"], meta["BLOCK_N_"])](*args, **constexprs)
 
 
 def operands(sq: int, **tensors) -> list:
@@ -526,13 +790,12 @@ def attention_forward(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor,
     row_max = torch.empty(g, rows, dtype=torch.float32, device=q.device)
     row_sum = torch.empty_like(row_max)
     dbg = _debug_tensors(("probs", "probs_q"), q, rows, sk, debug)
-    tile = launch_tile(FORWARD_TILE)
-    _forward_kernel[(triton.cdiv(rows, tile[0]), g)](
-        _bits(q), _bits(k_t), _bits(v), _bits(out), row_max, row_sum,
-        _bits(dbg["probs"]), _bits(dbg["probs_q"]), float(softmax_scale), rows, sq, sk, d, dv,
-        P_FMT=_slot_constants(formats.probs, formats.pv_scale_mode), CAUSAL=bool(causal),
-        SKIP=bool(causal and skip_masked_tiles), DEBUG=debug,
-        **_launch_options(q.dtype, d, dv, tile))
+    _launch(_forward_kernel, "forward", lambda block_m, _: (triton.cdiv(rows, block_m), g),
+            [q, k_t, v, out, row_max, row_sum, dbg["probs"], dbg["probs_q"],
+             float(softmax_scale), rows, sq, sk, d, dv],
+            dict(P_FMT=_slot_constants(formats.probs, formats.pv_scale_mode),
+                 CAUSAL=bool(causal), SKIP=bool(causal and skip_masked_tiles), DEBUG=debug,
+                 **_launch_options(q.dtype, d, dv)))
     return ForwardResult(out, row_max, row_sum, dbg if debug else {})
 
 
@@ -557,10 +820,8 @@ def attention_backward(grad_out_dgrad: torch.Tensor, grad_out_wgrad: torch.Tenso
         grad_out_dgrad=grad_out_dgrad, grad_out_wgrad=grad_out_wgrad)
     g, rows, d = q.shape
     sk, dv = k_t.size(2), v_dgrad.size(2)
-    common = dict(CAUSAL=bool(causal), SKIP=bool(causal and skip_masked_tiles), DEBUG=debug)
-    ds_keys = _slot_constants(formats.score_grad, formats.qk_scale_mode)
-    ds_rows = _slot_constants(formats.score_grad_rows, formats.qk_scale_mode)
-    p_rows = _slot_constants(formats.probs_rows, formats.pv_scale_mode)
+    common = dict(CAUSAL=bool(causal), SKIP=bool(causal and skip_masked_tiles), DEBUG=debug,
+                  **_launch_options(q.dtype, d, dv))
     scale = float(softmax_scale)
     delta = torch.empty(g, rows, dtype=torch.float32, device=q.device)
     grad_q = torch.empty_like(q)
@@ -568,18 +829,17 @@ def attention_backward(grad_out_dgrad: torch.Tensor, grad_out_wgrad: torch.Tenso
     grad_v = torch.empty_like(v_dgrad)
     dbg = _debug_tensors(("score_grad", "score_grad_q", "probs", "score_grad_2", "probs_rows_q",
                           "score_grad_rows_q"), q, rows, sk, debug)
-    query_tile, key_tile = launch_tile(BACKWARD_QUERY_TILE), launch_tile(BACKWARD_KEY_TILE)
-    _backward_query_kernel[(triton.cdiv(rows, query_tile[0]), g)](
-        _bits(q), _bits(k_t), _bits(k_t_dgrad), _bits(v_dgrad), _bits(grad_out_dgrad),
-        row_max, row_sum, delta, _bits(grad_q), _bits(dbg["score_grad"]),
-        _bits(dbg["score_grad_q"]), scale, rows, sq, sk, d, dv, DS_FMT=ds_keys, **common,
-        **_launch_options(q.dtype, d, dv, query_tile))
-    _backward_key_kernel[(triton.cdiv(sk, key_tile[1]), g)](
-        _bits(q), _bits(q_wgrad), _bits(k_t), _bits(v_dgrad), _bits(grad_out_dgrad),
-        _bits(grad_out_wgrad), row_max, row_sum, delta, _bits(grad_k_t), _bits(grad_v),
-        _bits(dbg["probs"]), _bits(dbg["probs_rows_q"]), _bits(dbg["score_grad_2"]),
-        _bits(dbg["score_grad_rows_q"]), scale, rows, sq, sk, d, dv, P_FMT=p_rows,
-        DS_FMT=ds_rows, **common, **_launch_options(q.dtype, d, dv, key_tile))
+    _launch(_backward_query_kernel, "query", lambda block_m, _: (triton.cdiv(rows, block_m), g),
+            [q, k_t, k_t_dgrad, v_dgrad, grad_out_dgrad, row_max, row_sum, delta, grad_q,
+             dbg["score_grad"], dbg["score_grad_q"], scale, rows, sq, sk, d, dv],
+            dict(DS_FMT=_slot_constants(formats.score_grad, formats.qk_scale_mode), **common))
+    _launch(_backward_key_kernel, "key", lambda _, block_n: (triton.cdiv(sk, block_n), g),
+            [q, q_wgrad, k_t, v_dgrad, grad_out_dgrad, grad_out_wgrad, row_max, row_sum, delta,
+             grad_k_t, grad_v, dbg["probs"], dbg["probs_rows_q"], dbg["score_grad_2"],
+             dbg["score_grad_rows_q"], scale, rows, sq, sk, d, dv],
+            dict(P_FMT=_slot_constants(formats.probs_rows, formats.pv_scale_mode),
+                 DS_FMT=_slot_constants(formats.score_grad_rows, formats.qk_scale_mode),
+                 **common))
     return BackwardResult(grad_q, grad_k_t, grad_v, delta, dbg if debug else {})
 
 
