@@ -360,17 +360,20 @@ def _key_ranges(rows, last_visible, R, SK, BLOCK_N_: tl.constexpr, CAUSAL: tl.co
 
 
 @triton.jit
-def _row_scores(q, kt, cols, last_visible, scale, SK, MASKED: tl.constexpr,
-                CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """x [rows, keys] of a query tile and a key tile (see _scaled_scores); MASKED: -10000
-    where the causal mask hides the key, -inf past the last key (outside the softmax)."""
+def _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED: tl.constexpr,
+                     CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
+    """(cols, x): the keys n0 .. n0 + BLOCK_N_ - 1 and x [rows, keys] of the query tile q with
+    that key tile of K^T (see _scaled_scores); MASKED: -10000 where the causal mask hides the
+    key, -inf past the last key (outside the softmax)."""
+    cols = n0 + tl.arange(0, BLOCK_N_)
+    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
     x = _scaled_scores(tl.dot(q, kt, input_precision=PRECISION), scale, IS_BF16, INTERPRETED)
     if MASKED:
         if CAUSAL:
             x = tl.where(cols[None, :] > last_visible[:, None], MASK_FILL, x)
         x = tl.where(cols[None, :] < SK, x, float("-inf"))
-    return x
+    return cols, x
 
 
 @triton.jit
@@ -413,10 +416,8 @@ def _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
                 INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
     """The forward's pass 1 over one key tile: m and l updated (online)."""
-    cols = n0 + tl.arange(0, BLOCK_N_)
-    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
-    x = _row_scores(q, kt, cols, last_visible, scale, SK, MASKED, CAUSAL, IS_BF16, INTERPRETED,
-                    PRECISION)
+    cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
+                               IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
     m_new = tl.maximum(m, tl.max(x, axis=1))
     l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
     return m_new, l
@@ -429,10 +430,8 @@ def _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims, la
                  PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
                  BLOCK_N_: tl.constexpr):
     """The forward's pass 2 over one key tile: acc += MX_keys(P) @ V."""
-    cols = n0 + tl.arange(0, BLOCK_N_)
-    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
-    x = _row_scores(q, kt, cols, last_visible, scale, SK, MASKED, CAUSAL, IS_BF16, INTERPRETED,
-                    PRECISION)
+    cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
+                               IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
     p = _round_to_dtype(_probs32(x, m[:, None], l[:, None]), IS_BF16, INTERPRETED)
     pq = _mx_along_last(p, BLOCK_M_, BLOCK_N_, P_FMT)
     v = _load(v_ptr, cols, vdims, DV, 1, SK, DV, IS_BF16, INTERPRETED)
@@ -494,10 +493,8 @@ def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, l, scal
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
                 INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
     """One key tile's part of delta = sum_j P32_j * dP_j."""
-    cols = n0 + tl.arange(0, BLOCK_N_)
-    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
-    x = _row_scores(q, kt, cols, last_visible, scale, SK, MASKED, CAUSAL, IS_BF16, INTERPRETED,
-                    PRECISION)
+    cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
+                               IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
     vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
     dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
     return tl.sum(_probs32(x, m[:, None], l[:, None]) * dp, axis=1)
@@ -510,10 +507,8 @@ def _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, row
                      INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
                      BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
     """One key tile's part of dQ: dq += MX_keys(dS) @ K."""
-    cols = n0 + tl.arange(0, BLOCK_N_)
-    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
-    x = _row_scores(q, kt, cols, last_visible, scale, SK, MASKED, CAUSAL, IS_BF16, INTERPRETED,
-                    PRECISION)
+    cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
+                               IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
     vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
     dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
     dx = _probs32(x, m[:, None], l[:, None]) * (dp - delta[:, None])
