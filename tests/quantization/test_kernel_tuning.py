@@ -41,10 +41,16 @@ def test_a_gpu_launch_goes_through_the_autotuner_with_a_grid_per_configuration(m
     assert grid({"BLOCK_": 1024}) == (5,) and grid({"BLOCK_": 2048}) == (3,)   # passed twice
 
 
-def test_the_autotuner_tries_every_size_with_every_warp_count():
+def test_the_autotuner_tries_every_size_with_every_warp_count(monkeypatch):
     from megatron.quantization.kernels.mx import _mx_qdq_kernel
     tuned = tuning._autotuned(_mx_qdq_kernel, "GROUP_", (64, 32), ("n_blocks", "LAYOUT"))
     assert tuned is tuning._autotuned(_mx_qdq_kernel, "GROUP_", (64, 32), ("n_blocks", "LAYOUT"))
     assert sorted((c.kwargs["GROUP_"], c.num_warps) for c in tuned.configs) == [
         (32, 4), (32, 8), (64, 4), (64, 8)]
     assert list(tuned.keys) == ["n_blocks", "LAYOUT"]
+    # Each configuration is timed briefly (the first step of a run pays for the tuning).
+    timed = []
+    monkeypatch.setattr(tuning.triton.testing, "do_bench",
+                        lambda fn, **kw: timed.append(kw) or [1.0, 1.0, 1.0])
+    tuning._quick_bench(lambda: None, quantiles=(0.5, 0.2, 0.8))
+    assert timed == [dict(warmup=5, rep=20, quantiles=(0.5, 0.2, 0.8))]

@@ -15,6 +15,7 @@ import functools
 from typing import Callable, Sequence
 
 import triton
+import triton.testing
 
 WARPS = (4, 8)
 
@@ -36,4 +37,11 @@ def launch(kernel, meta: str, sizes: Sequence[int], programs: Callable[[int], in
 def _autotuned(kernel, meta: str, sizes, key):
     configs = [triton.Config({meta: size}, num_warps=warps) for size in sizes
                for warps in WARPS]
-    return triton.autotune(configs, key=list(key))(kernel)
+    return triton.autotune(configs, key=list(key), do_bench=_quick_bench)(kernel)
+
+
+def _quick_bench(kernel_call, quantiles):
+    """A QDQ launch is tens to hundreds of microseconds: 5 ms of warm-up and 20 of timing per
+    configuration tell them apart, where triton's default 25 + 100 ms would spend seconds of a
+    run's first step on tuning its operands' shapes."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
