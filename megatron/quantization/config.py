@@ -210,6 +210,10 @@ def check_setting(f: dataclasses.Field, tp, value, name: Optional[str] = None) -
     if origin is tuple:
         if not isinstance(value, tuple):
             raise SettingError(f"{name}: expected a list, got {value!r}")
+        twice = sorted({str(v) for v in value if value.count(v) > 1})
+        if twice:      # a list of names is a set: a repeat is a typo, not a weight
+            raise SettingError(f"{name} {' '.join(map(str, value))}: "
+                               f"{', '.join(twice)} given more than once")
         items = value
     else:
         items = (value,)
@@ -731,9 +735,9 @@ class QuantSettings(Settings):
                 raise SettingError(f"{', '.join(extra)} apply to --fp8-dot-product-attention, "
                                    "which is off")
             return
-        if fp8.format is None:
+        if fp8.format is None and not self._recipe_defines_fp8():
             raise SettingError("--fp8-dot-product-attention needs --fp8-format (e4m3 or "
-                               "hybrid), as in Megatron-LM")
+                               "hybrid), as in Megatron-LM, or an FP8 --quant-recipe")
         if fp8.recipe == "blockwise":
             raise SettingError("--fp8-dot-product-attention with --fp8-recipe blockwise: FP8 "
                                "attention takes tensorwise, delayed or mxfp8 scaling")
@@ -744,6 +748,12 @@ class QuantSettings(Settings):
         if given:
             raise SettingError(f"--fp8-dot-product-attention decides attention's formats; "
                                f"drop {', '.join(given)}")
+
+    def _recipe_defines_fp8(self) -> bool:
+        """Whether the named recipe sets the FP8 concern (its format and scaling then hold for
+        FP8 attention too)."""
+        from megatron.quantization.presets import defined_settings   # presets imports this
+        return bool(self.recipe.recipe) and "fp8" in defined_settings(self.recipe.recipe)
 
     # -- flags <-> settings ---------------------------------------------------------------
 

@@ -220,6 +220,20 @@ def resolve(settings: QuantSettings, num_layers: int, seed: int = 0) -> QuantCon
                      "quantized in NVFP4")
     attn_qk, attn_pv = _attention_variant(make(qk_fmt), notes), \
         _attention_variant(make(pv_fmt), notes)
+    if settings.gemm.accumulation_bits is not None and not any(
+            c.enabled for c in [linear, attn_qk, attn_pv] + (
+                list(rules.configs.values()) if rules else [])) and \
+            not s.fp8_dot_product_attention:
+        notes.append(f"--quant-accumulation-bits {settings.gemm.accumulation_bits} changes "
+                     "nothing here: the accumulator model applies to quantized GEMMs, and no "
+                     "GEMM is quantized")
+    gradients = {fmt for c in [linear, attn_qk, attn_pv] + (
+        list(rules.configs.values()) if rules else []) for fmt in (c.dgrad.a, c.wgrad.b)}
+    if "--mx-grad-format" in settings.given and not any(f.startswith("mxfp8") for f in
+                                                        gradients):
+        notes.append(f"--mx-grad-format {settings.mx.grad_format} changes nothing here: no "
+                     "gradient operand is in MXFP8 (it sets the element format of MXFP8 "
+                     "gradients)")
     if s.fp8_dot_product_attention:
         dpa_settings = settings
         if r.recipe and "fp8" in defined_settings(r.recipe):

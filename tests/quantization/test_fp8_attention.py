@@ -53,6 +53,11 @@ def test_the_roles_of_each_recipe():
     dp = quant_config(FP8 + ["--fp8-attention-dp", "high_precision"], num_layers=2)
     assert dp.attn_qk.dgrad.a == dp.attn_qk.wgrad.b == "none" and dp.attn_pv.dgrad.a == \
         "fp8_e5m2"
+    # An FP8 preset gives attention its format and scaling without --fp8-format.
+    preset = quant_config(["--quant-recipe", "bf16_with_fp8_current_scaling_mixed",
+                           "--fp8-dot-product-attention"], num_layers=4)
+    assert _formats(preset.attn_pv) == _formats(tw.attn_pv)
+    assert preset.attn_qk.fp8.scaling == "tensorwise"
 
 
 @pytest.mark.parametrize("flags, words", [

@@ -161,6 +161,32 @@ def test_fp8_mistakes_are_one_line(extra, expected):
     assert expected in error(extra)
 
 
+@pytest.mark.parametrize("extra,expected", [
+    (["--quant-scheme", "linear_mxfp8", "--quant-accumulation-bits", "13",
+      "--quant-accumulation-gemms", "fprop", "wgrad", "fprop"],
+     "--quant-accumulation-gemms fprop wgrad fprop: fprop given more than once"),
+    (["--quant-scheme", "linear_mxfp4", "--quant-rht", "16", "--quant-rht-gemms", "wgrad",
+      "wgrad"], "--quant-rht-gemms wgrad wgrad: wgrad given more than once"),
+])
+def test_a_list_setting_names_each_item_once(extra, expected):
+    assert expected in error(extra)
+
+
+def test_the_accumulator_on_a_run_without_quantized_gemms_is_a_note():
+    note = "--quant-accumulation-bits 13 changes nothing here"
+    assert any(note in n for n in quant(["--quant-accumulation-bits", "13"]).notes)
+    assert not any(note in n for n in quant(["--quant-accumulation-bits", "13",
+                                             "--quant-scheme", "linear_mxfp8"]).notes)
+
+
+def test_an_mx_gradient_format_without_mxfp8_gradients_is_a_note():
+    note = "--mx-grad-format e5m2 changes nothing here"
+    for flags in (["--quant-recipe", "mxfp8_fwd_nvfp4_bwd"], ["--quant-scheme", "linear_nvfp4"]):
+        assert any(note in n for n in quant(flags + ["--mx-grad-format", "e5m2"]).notes), flags
+    assert not any(note in n for n in quant(["--quant-scheme", "linear_mxfp8",
+                                             "--mx-grad-format", "e5m2"]).notes)
+
+
 # ---------------------------------------------------------------------------------------------
 # Recipe files
 # ---------------------------------------------------------------------------------------------
