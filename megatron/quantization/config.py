@@ -735,9 +735,7 @@ class QuantSettings(Settings):
                 raise SettingError(f"{', '.join(extra)} apply to --fp8-dot-product-attention, "
                                    "which is off")
             return
-        if fp8.format is None and not self._recipe_defines_fp8():
-            raise SettingError("--fp8-dot-product-attention needs --fp8-format (e4m3 or "
-                               "hybrid), as in Megatron-LM, or an FP8 --quant-recipe")
+        # (Its FP8 format comes from --fp8-format or an FP8 --quant-recipe: schemes.py checks.)
         if fp8.recipe == "blockwise":
             raise SettingError("--fp8-dot-product-attention with --fp8-recipe blockwise: FP8 "
                                "attention takes tensorwise, delayed or mxfp8 scaling")
@@ -748,12 +746,6 @@ class QuantSettings(Settings):
         if given:
             raise SettingError(f"--fp8-dot-product-attention decides attention's formats; "
                                f"drop {', '.join(given)}")
-
-    def _recipe_defines_fp8(self) -> bool:
-        """Whether the named recipe sets the FP8 concern (its format and scaling then hold for
-        FP8 attention too)."""
-        from megatron.quantization.presets import defined_settings   # presets imports this
-        return bool(self.recipe.recipe) and "fp8" in defined_settings(self.recipe.recipe)
 
     # -- flags <-> settings ---------------------------------------------------------------
 

@@ -71,7 +71,7 @@ from megatron.quantization.main_grad import (
 from megatron.quantization.runtime import QuantRuntime
 from megatron.quantization.tp_comm import TensorParallelComm
 
-__all__ = ["SiteState", "quantized_matmul", "quantized_linear", "matmul_grads",
+__all__ = ["SiteState", "quantized_matmul", "quantized_linear", "matmul_grads", "rotation_fused",
            "format_options", "nvfp4_variant", "quantize_operand", "quantize_slot", "gemm_product",
            "gemm_operand", "gemm_result", "whole_tensor_scale"]
 
@@ -241,15 +241,22 @@ def gemm_operand(observer, config, gemm, name, side, hp, fmt, axis, scales=None,
     return hp if q is None else q
 
 
-def _rotation_fused(observer, config, hp, fmt, axis, weight=False) -> bool:
-    """Whether an operand of a GEMM with a Hadamard transform is quantized in one call that
-    applies the transform too (no rotated copy: the fused kernels compute it as they load hp):
-    for MX and 1-D NVFP4 operands whose length along `axis` the block divides, and no observer
-    (an observer is shown the rotated operand itself). Same bits either way."""
-    return (observer is None and fmt != "none"
-            and format_info(fmt).kind in ("mx", "nvfp4")
+def rotation_fused(config: MatmulQuantConfig, fmt: str, length: int,
+                   weight: bool = False) -> bool:
+    """Whether an unobserved operand in `fmt` of a GEMM with a Hadamard transform is
+    quantized in one call that applies the transform too (no rotated copy: the fused kernels
+    compute it as they load the operand): for MX and 1-D NVFP4 operands whose `length` along
+    the reduction axis the block divides. Otherwise the operand is rotated (zero-padded) into
+    a copy first; the bits are the same either way. (Also what the memory estimate counts.)"""
+    return (fmt != "none" and format_info(fmt).kind in ("mx", "nvfp4")
             and not (weight and config.weight_tiles(fmt))
-            and hp.shape[axis] % config.rht.block == 0)
+            and length % config.rht.block == 0)
+
+
+def _rotation_fused(observer, config, hp, fmt, axis, weight=False) -> bool:
+    """rotation_fused for an operand hp; an observer is shown the rotated operand itself, so
+    an observed GEMM rotates first."""
+    return observer is None and rotation_fused(config, fmt, hp.shape[axis], weight)
 
 
 def rotated_operand(observer, config, gemm, name, side, hp, fmt, axis, state=None):

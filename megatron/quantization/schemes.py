@@ -236,7 +236,11 @@ def resolve(settings: QuantSettings, num_layers: int, seed: int = 0) -> QuantCon
                      "gradients)")
     if s.fp8_dot_product_attention:
         dpa_settings = settings
-        if r.recipe and "fp8" in defined_settings(r.recipe):
+        preset_fp8 = bool(r.recipe) and "fp8" in defined_settings(r.recipe)
+        if settings.fp8.format is None and not preset_fp8:
+            raise SettingError("--fp8-dot-product-attention needs --fp8-format (e4m3 or "
+                               "hybrid), as in Megatron-LM, or an FP8 --quant-recipe")
+        if preset_fp8:
             # The preset's FP8 scaling is the run's: attention follows it as TE's would.
             if linear.fp8.scaling == "blockwise":
                 raise SettingError(f"--fp8-dot-product-attention with --quant-recipe {r.recipe} "

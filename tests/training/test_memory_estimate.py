@@ -93,7 +93,7 @@ def test_recipes_activations_equal_a_real_cpu_forward(world_size_one, extra):
     # (The attention's note may name these too, as reasons for the chunked path.)
     notes = " ".join(est.notes)
     assert ("stochastic rounding: each rounded operand" in notes) == ("--fp8-format" not in extra)
-    assert ("Hadamard transform: the GEMM" in notes) == ("--fp8-format" not in extra)
+    assert ("Hadamard transform: MX and NVFP4 operands" in notes) == ("--fp8-format" not in extra)
     assert ("FP8 delayed scaling:" in notes) == ("--fp8-format" in extra)
 
 

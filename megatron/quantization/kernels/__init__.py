@@ -30,31 +30,15 @@ whether it can be imported.
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Optional
 
 import torch
 
+from megatron.quantization.kernels.environment import (  # noqa: F401 (public names)
+    interpreter_enabled, triton_available)
+
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 KERNEL_KINDS = ("mx", "hifp8", "nvfp4", "fp8")
-
-
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    """Whether `import triton` works (the package is an optional dependency)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read by Triton
-    when it is first imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def unsupported_reason(kind: str, fmt: str, dtype: torch.dtype, rounding: str,

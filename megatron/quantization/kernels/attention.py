@@ -113,6 +113,7 @@ contraction, so no rounding step above is fused away.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -188,23 +189,23 @@ class TileConfig(NamedTuple):
 # reductions stay in a warp; 64-row tiles on 8 warps would hold every element twice) and 32
 # elements per thread: 170-240 registers, no spill (the dQ kernel spills ~100 bytes at
 # d = 128). fp32 multiplies with FMAs and spills whatever the tile: small tiles, 8 warps.
-ROW_TILES = {
+ROW_TILES = MappingProxyType({
     (9, torch.bfloat16): (128, 64, 8),
     (0, torch.bfloat16): (64, 64, 4),
     (0, torch.float32): (64, 64, 8),
-}
-ROW_STAGES = {torch.bfloat16: (2, 3), torch.float32: (1,)}
+})
+ROW_STAGES = MappingProxyType({torch.bfloat16: (2, 3), torch.float32: (1,)})
 # (rows, keys, warps) the dK/dV kernel is timed over, by dtype and head dim (up to 64 or
 # 128): its tiles are [keys, rows], 128 keys for 8 warps (each warp 16 whole keys), and it
 # holds dK and dV besides, so fewer rows: 155-160 instructions per score, 207-255 registers,
 # spills of at most ~120 bytes (4 warps leave room for two blocks per SM, 8 warps for one).
 # Its loads sit in a conditional (the skipped tiles) and are not pipelined: one stage.
-KEY_TILES = {
+KEY_TILES = MappingProxyType({
     (torch.bfloat16, 64): ((32, 64, 4), (32, 128, 8), (64, 128, 8)),
     (torch.bfloat16, 128): ((32, 64, 4), (32, 128, 8)),
     (torch.float32, 64): ((32, 64, 8),),
     (torch.float32, 128): ((32, 64, 8),),
-}
+})
 
 
 def tile_configs(kernel: str, capability: Tuple[int, int], dtype: torch.dtype,

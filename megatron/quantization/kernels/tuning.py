@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 import triton
 import triton.testing
 
+from megatron.quantization.kernels.environment import interpreter_enabled
+
 WARPS = (4, 8)
 
 
@@ -25,7 +27,6 @@ def launch(kernel, meta: str, sizes: Sequence[int], programs: Callable[[int], in
     """kernel(*args, **constants) on programs(size) programs with `meta` = size: sizes[0]
     under the interpreter, the tuned one (of `sizes` x WARPS) on a GPU. `key` names the
     arguments whose values select a tuned configuration."""
-    from megatron.quantization.kernels import interpreter_enabled
     if interpreter_enabled():
         kernel[(programs(sizes[0]),)](*args, **{meta: sizes[0]}, **constants)
         return

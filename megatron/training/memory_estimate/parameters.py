@@ -8,6 +8,7 @@ import math
 import re
 from typing import List
 
+from megatron.quantization.gemm import rotation_fused
 from megatron.training.memory_estimate.kernels import build_meta_model
 from megatron.training.memory_estimate.layout import Layout, single_rank_args
 
@@ -57,15 +58,18 @@ def cached_weight_copies(config, shape, element_size: int) -> int:
     """Bytes of the quantized copies megatron.quantization.gemm keeps of one linear weight
     [N, K] until the next optimizer step: for fprop (blocked along K) and dgrad (along N),
     when that GEMM quantizes the weight reusably (round to nearest, not delayed-scaled), one
-    copy of the weight's dtype -- two when the GEMM applies the Hadamard transform, which
-    keeps the rotated weight (zero-padded to the block along the axis) beside its copy."""
+    copy of the weight's dtype -- two when the GEMM applies the Hadamard transform in a copy
+    of its own (gemm.rotation_fused: not for MX and 1-D NVFP4 weights whose length the block
+    divides), which is kept (zero-padded to the block along the axis) beside the quantized
+    one."""
     total = 0
     for gemm, axis in (("fprop", 1), ("dgrad", 0)):
         fmt = getattr(config, gemm).b
         if fmt == "none" or not config.reusable(gemm, "b", fmt):
             continue
         dims, copies = list(shape), 1
-        if gemm in config.rht.gemms:
+        if gemm in config.rht.gemms and not rotation_fused(config, fmt, shape[axis],
+                                                           weight=True):
             dims[axis] = math.ceil(dims[axis] / config.rht.block) * config.rht.block
             copies = 2
         total += copies * math.prod(dims) * element_size

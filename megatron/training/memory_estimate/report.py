@@ -155,8 +155,10 @@ def quantization_notes(args) -> List[str]:
         notes.append("stochastic rounding: each rounded operand draws a float32 noise tensor of "
                      "its size (a temporary, measured)")
     if any(c.rht.gemms for c in configs):
-        notes.append("Hadamard transform: the GEMM rotates float32 copies of its operands, "
-                     "zero-padded to the block (temporaries, measured; not kept for backward)")
+        notes.append("Hadamard transform: MX and NVFP4 operands whose length the block "
+                     "divides are rotated inside their quantization; others are rotated into "
+                     "float32 copies, zero-padded to the block (temporaries, measured; not kept "
+                     "for backward)")
     if any(c.delayed(fmt) for c in configs for gemm in ("fprop", "dgrad", "wgrad")
            for fmt in (getattr(c, gemm).a, getattr(c, gemm).b)):
         notes.append("FP8 delayed scaling: the amax histories (--fp8-amax-history-len floats "
