@@ -51,8 +51,12 @@ from typing import Callable, Dict, List, Optional
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
-if BENCH_DIR not in sys.path:         # the stages' modules, when imported from elsewhere
-    sys.path.insert(0, BENCH_DIR)
+for _path in (BENCH_DIR, REPO_ROOT):  # the stages' modules, when imported from elsewhere
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from megatron.training.child_env import with_repository_path  # noqa: E402
+
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "runs", "gpu-check")
 # Kept back from the stages for the probe, the summary and process start-up.
 RESERVE_SHARE = 0.04
@@ -117,8 +121,7 @@ def tail(path: str, lines: int = TAIL_LINES) -> str:
 
 def child_env(**extra: str) -> Dict[str, str]:
     """The environment of a stage: the repository in front of the caller's PYTHONPATH."""
-    paths = [REPO_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), **extra)
+    return with_repository_path(REPO_ROOT, **extra)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,16 +17,14 @@ for _path in [REPO_ROOT] + TEST_FOLDERS:
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from megatron.training.child_env import with_repository_path  # noqa: E402
+
 
 def child_env(**extra) -> dict:
     """The environment of a child process (torchrun, a tool, a script): the repository and the
     test folders put in front of the caller's PYTHONPATH, never in its place (megatron.core may
     come from PYTHONPATH, as on many clusters)."""
-    env = dict(os.environ, **extra)
-    paths = [REPO_ROOT] + TEST_FOLDERS + [p for p in os.environ.get("PYTHONPATH", "").split(
-        os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    return env
+    return with_repository_path(REPO_ROOT, *TEST_FOLDERS, **extra)
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
