@@ -54,3 +54,15 @@ def test_the_autotuner_tries_every_size_with_every_warp_count(monkeypatch):
                         lambda fn, **kw: timed.append(kw) or [1.0, 1.0, 1.0])
     tuning._quick_bench(lambda: None, quantiles=(0.5, 0.2, 0.8))
     assert timed == [dict(warmup=5, rep=20, quantiles=(0.5, 0.2, 0.8))]
+
+
+def test_the_launch_shapes_of_runs_and_tiles():
+    from megatron.quantization.kernels.bits import COLUMNS, FLAT
+    args, layout, groups, programs = tuning.axis_launch((6, 256), 1, 32)
+    assert args == (48, 256, 1, 8) and layout == FLAT and groups == [64, 32, 128, 256]
+    assert programs(64) == 1 and programs(32) == 2
+    args, layout, groups, programs = tuning.axis_launch((256, 96), 0, 32)
+    assert layout == COLUMNS and programs(32) == 8 * 3      # 8 block-rows x 3 column groups
+    args, _, groups, programs = tuning.tile_launch((40, 70), 16)    # 3 x 5 tiles of 16x16
+    assert args == (15, 40, 70, 5) and groups == [8, 4, 16, 32] and programs(8) == 2
+    assert tuning.tile_launch((200, 150), 128)[2] == [1]              # one 128x128 tile each

@@ -318,7 +318,7 @@ def vector_access() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from megatron.quantization.kernels import amax, fp8, hifp8, mx, nvfp4
-    from megatron.quantization.kernels.bits import COLUMNS, FLAT, ROWS
+    from megatron.quantization.kernels.bits import COLUMNS, FLAT, ROWS, element_constants
     scalars = ("noise_ptr", "signs_ptr", "out_ptr", "amax_ptr", "imposed_ptr")
 
     def access(kernel, constants, dtype):
@@ -332,7 +332,7 @@ def vector_access() -> dict:
         return dict(Counter(re.findall(r"(?:ld|st)\.global[.\w]*", compiled.asm["ptx"])))
 
     mx_fmt = mx.format_constants("mxfp8_e4m3", "floor")
-    fp8_fmt = fp8._element_constants("fp8_e4m3")
+    fp8_fmt = element_constants("fp8_e4m3")
     out = {}
     for dname, bf16 in (("float32", False), ("bfloat16", True)):
         dtype = "*bf16" if bf16 else "*fp32"

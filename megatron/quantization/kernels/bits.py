@@ -13,6 +13,8 @@ import math
 import triton
 import triton.language as tl
 
+from megatron.quantization.formats.common import FORMAT_INFO
+
 
 # How a program's blocks along the quantized axis lie in memory (tensor seen as [outer, length,
 # inner]); axis_layout picks one per call. The loads run along contiguous memory in every one,
@@ -203,3 +205,13 @@ def square_tiles(shape, size: int):
     rows, cols = shape
     tiles_per_row = -(-cols // size)
     return -(-rows // size) * tiles_per_row, rows, cols, tiles_per_row
+
+
+def element_constants(fmt: str) -> dict:
+    """round_to_grid's constexprs of a canonical element format: EMAX, EMIN, MBITS and
+    TOP_SIG (max_normal = TOP_SIG * 2**(EMAX - MBITS))."""
+    info = FORMAT_INFO[fmt]
+    top_sig = info.max_normal / 2.0 ** (info.emax_elem - info.mantissa_bits)
+    assert top_sig == int(top_sig), fmt
+    return dict(EMAX=info.emax_elem, EMIN=info.emin_elem, MBITS=info.mantissa_bits,
+                TOP_SIG=int(top_sig))

@@ -31,12 +31,11 @@ from megatron.quantization.formats.fp8 import (
     FP8_TILE, FLT_MAX, block_value_for_inf, scaled_max)
 from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
-    ROWS, as_blocks, axis_layout, block_offsets, load_bits, load_noise, pack, round_to_grid,
-    square_tiles, store_bits, tile_offsets)
-from megatron.quantization.kernels.tuning import launch
+    as_blocks, block_offsets, element_constants, load_bits, load_noise, pack, round_to_grid,
+    store_bits, tile_offsets)
+from megatron.quantization.kernels.tuning import (
+    ELEMENTS_PER_PROGRAM, axis_launch, launch, tile_launch)
 
-# Elements per program the launches tune over (the first under the interpreter).
-ELEMENTS_PER_PROGRAM = (2048, 1024, 4096, 8192)
 _EXPONENT_MASK = 0x7F800000
 
 
@@ -109,14 +108,6 @@ def _fp8_block_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_p
     store_bits(y_ptr, offs, mask, y, IS_BF16)
 
 
-def _element_constants(fmt: str) -> dict:
-    info = FORMAT_INFO[fmt]
-    top_sig = info.max_normal / 2.0 ** (info.emax_elem - info.mantissa_bits)
-    assert top_sig == int(top_sig), fmt
-    return dict(EMAX=info.emax_elem, EMIN=info.emin_elem, MBITS=info.mantissa_bits,
-                TOP_SIG=int(top_sig))
-
-
 def fp8_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scaling: str,
                              amax: Optional[torch.Tensor], margin: float, pow2_scale: bool,
                              block: Optional[Tuple[int, int]],
@@ -132,7 +123,7 @@ def fp8_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scaling: str,
     info = FORMAT_INFO[fmt]
     common = dict(POW2=bool(pow2_scale), STOCHASTIC=noise is not None,
                   IS_BF16=x.dtype == torch.bfloat16, enable_reflect_ftz=False,
-                  enable_fp_fusion=False, **_element_constants(fmt))
+                  enable_fp_fusion=False, **element_constants(fmt))
     noise_arg = x if noise is None else noise.contiguous()
     top = scaled_max(info.max_normal, margin)
     if scaling == "tensor":
@@ -142,20 +133,12 @@ def fp8_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scaling: str,
                (x, noise_arg, y, amax_arg, x.numel(), top), key=("numel", "STOCHASTIC"),
                DELAYED=amax is not None, **common)
         return y
-    if tuple(block) == (FP8_TILE, FP8_TILE):       # one 128x128 tile per program
-        args, groups, layout = square_tiles(x.shape, FP8_TILE), [1], ROWS
-
-        def programs(group):
-            return args[0]
-    else:
-        groups = [size // FP8_TILE for size in ELEMENTS_PER_PROGRAM]
-        args, layout, _ = axis_layout(x.shape, axis, FP8_TILE, groups[0])
-
-        def programs(group):
-            return axis_layout(x.shape, axis, FP8_TILE, group)[2]
+    tiles = tuple(block) == (FP8_TILE, FP8_TILE)
+    args, layout, groups, programs = (tile_launch(x.shape, FP8_TILE) if tiles else
+                                      axis_launch(x.shape, axis, FP8_TILE))
     launch(_fp8_block_kernel, "GROUP_", groups, programs, (x, noise_arg, y, *args, top),
            key=("n_blocks", "inner", "LAYOUT", "STOCHASTIC", "TILE_2D"),
-           VALUE_FOR_INF=block_value_for_inf(x.dtype), TILE_2D=groups == [1], LAYOUT=layout,
+           VALUE_FOR_INF=block_value_for_inf(x.dtype), TILE_2D=tiles, LAYOUT=layout,
            **common)
     return y
 

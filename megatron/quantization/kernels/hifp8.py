@@ -17,10 +17,8 @@ import triton
 import triton.language as tl
 
 from megatron.quantization.kernels.bits import load_bits, store_bits
-from megatron.quantization.kernels.tuning import launch
+from megatron.quantization.kernels.tuning import ELEMENTS_PER_PROGRAM, launch
 
-# Elements per program the launch tunes over (the first under the interpreter).
-ELEMENTS_PER_PROGRAM = (2048, 1024, 4096, 8192)
 
 
 @triton.jit

@@ -38,14 +38,11 @@ import triton.language as tl
 
 from megatron.quantization.formats.common import FORMAT_INFO, MX_BLOCK_SIZE
 from megatron.quantization.kernels.bits import (
-    as_blocks, axis_layout, block_offsets, load_bits, load_noise, pack, round_to_grid,
+    as_blocks, block_offsets, element_constants, load_bits, load_noise, pack, round_to_grid,
     store_bits)
 from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
-from megatron.quantization.kernels.tuning import launch
+from megatron.quantization.kernels.tuning import axis_launch, launch
 
-# Elements per program the launch tunes over (the first under the interpreter); a program
-# takes that many divided by its run width (32, or the Hadamard block).
-ELEMENTS_PER_PROGRAM = (2048, 1024, 4096, 8192)
 
 
 @triton.jit
@@ -111,11 +108,7 @@ def scale_rule_threshold(fmt: str, scale_mode: str) -> int:
 
 def format_constants(fmt: str, scale_mode: str):
     """The constexprs of mx_quantize_blocks for a canonical MX format and scale rule."""
-    info = FORMAT_INFO[fmt]
-    top_sig = info.max_normal / 2.0 ** (info.emax_elem - info.mantissa_bits)
-    assert top_sig == int(top_sig), fmt
-    return dict(EMAX=info.emax_elem, EMIN=info.emin_elem, MBITS=info.mantissa_bits,
-                TOP_SIG=int(top_sig), BUMP_ABOVE=scale_rule_threshold(fmt, scale_mode))
+    return dict(element_constants(fmt), BUMP_ABOVE=scale_rule_threshold(fmt, scale_mode))
 
 
 def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: str,
@@ -139,10 +132,8 @@ def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: st
         return y
     rotation = hadamard_launch(rht, x.device)
     width = max(MX_BLOCK_SIZE, rotation["RHT"])
-    groups = [size // width for size in ELEMENTS_PER_PROGRAM]
-    args, layout, _ = axis_layout(x.shape, axis, width, groups[0])
-    launch(_mx_qdq_kernel, "GROUP_", groups,
-           lambda group: axis_layout(x.shape, axis, width, group)[2],
+    args, layout, groups, programs = axis_launch(x.shape, axis, width)
+    launch(_mx_qdq_kernel, "GROUP_", groups, programs,
            (x, x if noise is None else noise.contiguous(), y, rotation.pop("signs"), *args),
            key=("n_blocks", "inner", "LAYOUT", "WIDTH", "STOCHASTIC"),
            STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16, WIDTH=width,

@@ -32,13 +32,11 @@ from megatron.quantization.formats.common import NVFP4_BLOCK_SIZE
 from megatron.quantization.formats.nvfp4 import ONE_OVER_2688_F32, FLT_MAX, ONE_SIXTH_F32
 from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
-    ROWS, as_blocks, axis_layout, block_offsets, load_bits, load_noise, pack, round_to_grid,
-    square_tiles, store_bits, tile_offsets)
+    as_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, store_bits,
+    tile_offsets)
 from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
-from megatron.quantization.kernels.tuning import launch
+from megatron.quantization.kernels.tuning import axis_launch, launch, tile_launch
 
-# Elements per program the launch tunes over (the first under the interpreter).
-ELEMENTS_PER_PROGRAM = (2048, 1024, 4096, 8192)
 # The float32 constants as the kernel writes them (Python floats that are float32 values).
 _FLT_MAX = 3.4028234663852886e38
 _RECIP_2688 = 0.00037202381645329297
@@ -120,19 +118,9 @@ def nvfp4_fake_quantize_triton(x: torch.Tensor, axis: int, noise: Optional[torch
         return y
     rotation = hadamard_launch(rht, x.device)
     signs = rotation.pop("signs")
-    if block_2d:     # LAYOUT is not used by the tile path
-        args, width, layout = square_tiles(x.shape, NVFP4_BLOCK_SIZE), 256, ROWS
-        groups = [size // width for size in ELEMENTS_PER_PROGRAM]
-
-        def programs(group):
-            return triton.cdiv(args[0], group)
-    else:
-        width = max(NVFP4_BLOCK_SIZE, rotation["RHT"])
-        groups = [size // width for size in ELEMENTS_PER_PROGRAM]
-        args, layout, _ = axis_layout(x.shape, axis, width, groups[0])
-
-        def programs(group):
-            return axis_layout(x.shape, axis, width, group)[2]
+    width = 256 if block_2d else max(NVFP4_BLOCK_SIZE, rotation["RHT"])
+    args, layout, groups, programs = (tile_launch(x.shape, NVFP4_BLOCK_SIZE) if block_2d else
+                                      axis_launch(x.shape, axis, width))
     data_amax = tensor_amax(x, axis if rht else None, signs, **rotation)
     launch(_nvfp4_qdq_kernel, "GROUP_", groups, programs,
            (x, x if noise is None else noise.contiguous(), y, data_amax,

@@ -17,9 +17,28 @@ from typing import Callable, Sequence
 import triton
 import triton.testing
 
+from megatron.quantization.kernels.bits import ROWS, axis_layout, square_tiles
 from megatron.quantization.kernels.environment import interpreter_enabled
 
 WARPS = (4, 8)
+# Elements per program the launches tune over (the first: the interpreter's, untuned).
+ELEMENTS_PER_PROGRAM = (2048, 1024, 4096, 8192)
+
+
+def axis_launch(shape, axis: int, width: int):
+    """(block_offsets' arguments, LAYOUT, the groups to tune over, programs(group)) for runs
+    of `width` elements along `axis` of a contiguous tensor of `shape`."""
+    groups = [size // width for size in ELEMENTS_PER_PROGRAM]
+    args, layout, _ = axis_layout(shape, axis, width, groups[0])
+    return args, layout, groups, lambda group: axis_layout(shape, axis, width, group)[2]
+
+
+def tile_launch(shape, tile: int):
+    """The same for tile x tile tiles of a 2-D tensor (square_tiles' arguments; at least one
+    tile per program; LAYOUT unused by the tile kernels)."""
+    args = square_tiles(shape, tile)
+    groups = list(dict.fromkeys(max(1, size // (tile * tile)) for size in ELEMENTS_PER_PROGRAM))
+    return args, ROWS, groups, lambda group: -(-args[0] // group)
 
 
 def launch(kernel, meta: str, sizes: Sequence[int], programs: Callable[[int], int], args,
