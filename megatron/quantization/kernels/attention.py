@@ -122,7 +122,7 @@ import triton.language as tl
 
 from megatron.quantization.formats import canonical_format, format_info
 from megatron.quantization.kernels import interpreter_enabled
-from megatron.quantization.kernels.bits import load_bits, store_bits
+from megatron.quantization.kernels.bits import load_bits, round_bits_to_bf16, store_bits
 from megatron.quantization.kernels.mx import format_constants, mx_quantize_blocks
 
 MAX_HEAD_DIM = 128  # largest d and dv (padded to a power of two in registers)
@@ -248,11 +248,7 @@ def _round_to_dtype(x, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
     there the bits are rounded (NaN stays NaN)."""
     if IS_BF16:
         if INTERPRETED:
-            bits = x.to(tl.int32, bitcast=True)
-            mag = bits & 0x7FFFFFFF
-            rounded = ((mag + (0x7FFF + ((mag >> 16) & 1))) >> 16) << 16
-            rounded = tl.where(mag > 0x7F800000, mag, rounded)
-            x = (rounded | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+            x = round_bits_to_bf16(x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
         else:
             x = x.to(tl.bfloat16).to(tl.float32)
     return x

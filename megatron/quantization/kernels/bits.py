@@ -98,13 +98,20 @@ def load_noise(ptr, offs, mask, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def round_bits_to_bf16(bits):
+    """float32 bits rounded to the nearest bf16 (ties to even; NaN stays NaN), as float32
+    bits."""
+    mag = bits & 0x7FFFFFFF
+    rounded = ((mag + (0x7FFF + ((mag >> 16) & 1))) >> 16) << 16
+    rounded = tl.where(mag > 0x7F800000, mag | 0x400000, rounded)
+    return rounded | (bits & -2147483648)
+
+
+@triton.jit
 def store_bits(ptr, offs, mask, bits, IS_BF16: tl.constexpr):
     """Store float32 bits as float32, or rounded to bf16 (nearest even; NaN stays NaN)."""
     if IS_BF16:
-        mag = bits & 0x7FFFFFFF
-        rounded = (mag + (0x7FFF + ((mag >> 16) & 1))) >> 16
-        rounded = tl.where(mag > 0x7F800000, mag >> 16, rounded)
-        half = (rounded | ((bits >> 31) << 15)).to(tl.int16)
+        half = (round_bits_to_bf16(bits) >> 16).to(tl.int16)
         tl.store(ptr + offs, half.to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         tl.store(ptr + offs, bits.to(tl.float32, bitcast=True), mask=mask)

@@ -16,16 +16,7 @@ import triton
 import triton.language as tl
 
 from megatron.quantization.formats.hadamard import inverse_sqrt, signs_on
-
-
-@triton.jit
-def round_bits_to_bf16(bits):
-    """float32 bits rounded to the nearest bf16 (ties to even; NaN stays NaN), as float32
-    bits."""
-    mag = bits & 0x7FFFFFFF
-    rounded = ((mag + (0x7FFF + ((mag >> 16) & 1))) >> 16) << 16
-    rounded = tl.where(mag > 0x7F800000, mag | 0x400000, rounded)
-    return rounded | (bits & -2147483648)
+from megatron.quantization.kernels.bits import round_bits_to_bf16
 
 
 @triton.jit
