@@ -70,25 +70,25 @@ class AmaxHistories:
         amax_into(x, out) writes max |x| into `out`, the history's new one-element entry (a
         kernel can reduce into it directly: no temporary, no copy); by default the eager
         reduction (NaN if x holds a NaN, else Inf if it holds an Inf)."""
-        ring = self._ring(slot, x.device)
-        used = self._used(slot, ring)
-        entry = self._push(slot, ring)
         if x.numel() == 0:
-            entry.zero_()
-        elif amax_into is None:
-            entry.copy_(fp8_amax(x))
-        else:
-            amax_into(x, entry)
-        _reduce_max(entry)
-        return entry[0].clone() if self.current else used
+            return self._step(slot, x.device, lambda entry: entry.zero_())
+        if amax_into is None:
+            return self._step(slot, x.device, lambda entry: entry.copy_(fp8_amax(x)))
+        return self._step(slot, x.device, lambda entry: amax_into(x, entry))
 
     def step_with(self, slot: Tuple[str, str], amax: torch.Tensor) -> torch.Tensor:
         """step() for an operand whose amax is given (one seen in pieces, as chunked attention
         sees P and dS: the max over the pieces)."""
-        ring = self._ring(slot, amax.device)
+        return self._step(slot, amax.device,
+                          lambda entry: entry.copy_(amax.detach().float().reshape(1)))
+
+    def _step(self, slot, device, record) -> torch.Tensor:
+        """The amax the scale uses now; then record(entry) writes the new amax into the
+        history's new entry, which is reduced over the ranks."""
+        ring = self._ring(slot, device)
         used = self._used(slot, ring)
         entry = self._push(slot, ring)
-        entry.copy_(amax.detach().float().reshape(1))
+        record(entry)
         _reduce_max(entry)
         return entry[0].clone() if self.current else used
 
