@@ -74,7 +74,8 @@ from megatron.quantization.formats.fp8 import (
     FP8_BLOCKS, FP8_SCALINGS, FP8_TILE, check_fp8_options, fp8_fake_quantize, fp8_amax,
     fp8_scales)
 from megatron.quantization.formats.hadamard import (
-    check_hadamard_block, hadamard_sign_vector, random_hadamard_transform)
+    check_hadamard_block, check_hadamard_length, hadamard_sign_vector,
+    random_hadamard_transform)
 from megatron.quantization.formats.hifp8 import (  # noqa: F401 (public names)
     hifp8_fake_quantize, prepare_hifp8_tables, hifp8_scale_exponent,
     hifp8_scaled_fake_quantize)
@@ -198,9 +199,7 @@ def _check_rht(x: torch.Tensor, kind: str, axis: int, block_2d: bool, rht) -> Tu
     block = check_hadamard_block(block)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"the rht seed must be an int, got {seed!r}")
-    if x.shape[axis] % block:
-        raise ValueError(f"rht: the length {x.shape[axis]} along axis {axis} is not a "
-                         f"multiple of the Hadamard block {block}")
+    check_hadamard_length(x, axis, block, "rht")
     return block, seed
 
 

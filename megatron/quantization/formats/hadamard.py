@@ -52,6 +52,13 @@ def hadamard_sign_vector(block: int, seed: int) -> torch.Tensor:
     return (1 - 2 * bits).to(torch.float32)
 
 
+def check_hadamard_length(x: torch.Tensor, axis: int, block: int, who: str) -> None:
+    """The length of x along `axis` must be a multiple of the transform's block."""
+    if x.shape[axis] % block:
+        raise ValueError(f"{who}: the length {x.shape[axis]} along axis {axis} is not a "
+                         f"multiple of the Hadamard block {block}")
+
+
 def inverse_sqrt(block: int, dtype: torch.dtype) -> float:
     """1/sqrt(block) rounded to `dtype` (float32 or float64), as a Python float (pure Python:
     no tensor is made for it on the way to a kernel launch)."""
@@ -110,10 +117,8 @@ def random_hadamard_transform(x: torch.Tensor, axis: int = -1, block: int = 16,
     check_tensor(x)
     block = check_hadamard_block(block)
     axis = normalize_axis(axis, x.dim())
+    check_hadamard_length(x, axis, block, "random_hadamard_transform")
     n = x.shape[axis]
-    if n % block:
-        raise ValueError(f"random_hadamard_transform: the length {n} along axis {axis} is not "
-                         f"a multiple of the Hadamard block {block}")
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     rows = x.movedim(axis, -1).unflatten(-1, (n // block, block))
     signs = signs_on(block, int(seed), x.device, cdtype)
