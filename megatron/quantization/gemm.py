@@ -296,15 +296,11 @@ def _weight_operand(observer, config, gemm, weight, axis, state):
                 observer(gemm, "weight", w_in, q, fmt, axis, **extra)
             return q
     rotate = gemm in config.rht.gemms
-    if rotate and _rotation_fused(observer, config, weight, fmt, axis, weight=True):
-        # Quantized with the transform in one call: no rotated copy is kept (None).
-        w_in = None
-        q, extra = quantize_slot(config, gemm, "weight", "b", weight, fmt, axis, state=state,
-                                 weight=True, rotate=True)
-    else:
-        w_in = _rotated(weight, axis, config) if rotate else weight
-        q, extra = quantize_slot(config, gemm, "weight", "b", w_in, fmt, axis, state=state,
-                                 weight=True)
+    # Quantized with the transform in one call, no rotated copy is kept (w_in None).
+    fused = rotate and _rotation_fused(observer, config, weight, fmt, axis, weight=True)
+    w_in = None if fused else _rotated(weight, axis, config) if rotate else weight
+    q, extra = quantize_slot(config, gemm, "weight", "b", weight if fused else w_in, fmt, axis,
+                             state=state, weight=True, rotate=fused)
     if observer is not None:
         observer(gemm, "weight", w_in, q, fmt, axis, **extra)
     if cached:
@@ -378,12 +374,10 @@ class _QuantizedLinear(torch.autograd.Function):
         ctx.comm, ctx.fuse_wgrad = comm, fuse_wgrad
         shard = x
         x, _ = comm.gather_input(x) if comm is not None else (x, None)
-        if "fprop" in config.rht.gemms:      # reduction over K: x's last axis, W's axis 1
-            qx = rotated_operand(observer, config, "fprop", "input", "a", x, config.fprop.a,
-                                 x.dim() - 1, state=state)
-        else:
-            qx = gemm_operand(observer, config, "fprop", "input", "a", x, config.fprop.a,
-                              x.dim() - 1, state=state)
+        # The reduction is over K: x's last axis, W's axis 1.
+        operand = rotated_operand if "fprop" in config.rht.gemms else gemm_operand
+        qx = operand(observer, config, "fprop", "input", "a", x, config.fprop.a, x.dim() - 1,
+                     state=state)
         qw = _weight_operand(observer, config, "fprop", weight, 1, state)
         # Only the local shard of a sequence-parallel input is kept (backward gathers it
         # again), or the whole dequantized input the backward GEMMs take instead of it.
