@@ -68,7 +68,7 @@ def quantize_backend(x: torch.Tensor, call: formats.QuantizeCall, mode: str) -> 
         return "eager"
     if mode == "compile":
         return mode
-    if mode == "auto" and x.device.type != "cuda":
+    if not _asks_for_kernels(x, mode):
         return "eager"
     reason = (triton_kernels.unsupported_reason(call.kind, call.fmt, x.dtype, call.rounding,
                                          call.block_2d)
@@ -79,6 +79,12 @@ def quantize_backend(x: torch.Tensor, call: formats.QuantizeCall, mode: str) -> 
         raise ValueError(f"kernel mode 'triton' does not cover {reason}; use kernel mode "
                          "'auto' to fall back to eager PyTorch for it")
     return "eager"
+
+
+def _asks_for_kernels(x: torch.Tensor, mode: str) -> bool:
+    """Whether kernel mode `mode` asks for the Triton kernels for x: "triton" anywhere, "auto"
+    on CUDA tensors."""
+    return mode == "triton" or (mode == "auto" and x.device.type == "cuda")
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, axis: int = -1, scale_mode: str = "floor",
@@ -110,7 +116,7 @@ def amax_writer(x: torch.Tensor, mode: str):
     run x (None: the eager reduction, delayed_scaling.AmaxHistories.step's default). The
     same value either way."""
     check_kernel_mode(mode)
-    if mode not in ("auto", "triton") or (mode == "auto" and x.device.type != "cuda"):
+    if not _asks_for_kernels(x, mode):
         return None
     if x.dtype not in triton_kernels.KERNEL_DTYPES or triton_kernels.device_reason(x.device):
         return None
