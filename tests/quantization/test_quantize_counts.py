@@ -35,10 +35,11 @@ class _Quantizations(TrainingCallback):
         real_slot = gemm_module.quantize_slot
 
         def quantize_slot(config, gemm, name, side, hp, fmt, axis, scales=None, state=None,
-                          weight=False):
+                          weight=False, rotate=False):
             self._slot = (state.path if state is not None else "", gemm, name)
             try:
-                return real_slot(config, gemm, name, side, hp, fmt, axis, scales, state, weight)
+                return real_slot(config, gemm, name, side, hp, fmt, axis, scales, state, weight,
+                                 rotate)
             finally:
                 self._slot = None
 
@@ -248,8 +249,8 @@ def _linear_calls(monkeypatch):
     real = gemm_module.quantize_slot
 
     def quantize_slot(config, gemm, name, side, hp, fmt, axis, scales=None, state=None,
-                      weight=False):
-        q, extra = real(config, gemm, name, side, hp, fmt, axis, scales, state, weight)
+                      weight=False, rotate=False):
+        q, extra = real(config, gemm, name, side, hp, fmt, axis, scales, state, weight, rotate)
         if name == "weight":
             calls.append((gemm, extra.get("seed")))
         return q, extra
