@@ -310,7 +310,8 @@ def linear_in_both_modes(cfg, states, x, w, grad) -> dict:
 
 def vector_access() -> dict:
     """Every QDQ kernel compiled for sm_90 (no GPU needed) as the launches specialise it, and
-    the kinds of its global loads and stores: {kernel: {instruction: count}}."""
+    the kinds of its global loads and stores, and its instructions that flush subnormals to
+    zero ("ftz"): {kernel: {instruction: count}}."""
     import re
     from collections import Counter
 
@@ -329,7 +330,9 @@ def vector_access() -> dict:
         compiled = triton.compile(ASTSource(kernel, signature, constants, attrs=aligned),
                                   target=GPUTarget("cuda", 90, 32),
                                   options={"enable_fp_fusion": False})
-        return dict(Counter(re.findall(r"(?:ld|st)\.global[.\w]*", compiled.asm["ptx"])))
+        ptx = compiled.asm["ptx"]
+        return dict(Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx)),
+                    ftz=len(re.findall(r"\.ftz\b", ptx)))
 
     mx_fmt = mx.format_constants("mxfp8_e4m3", "floor")
     fp8_fmt = element_constants("fp8_e4m3")
@@ -480,7 +483,9 @@ def test_kernels_move_the_operands_in_16_byte_vectors():
     """The QDQ kernels compiled for sm_90 (in a process without the interpreter; no GPU
     needed): every element load and store of the operand is a 16-byte vector access (4
     float32 or 8 bf16 values), along whichever axis the blocks run; the only scalar loads are
-    the per-tensor amax and the Hadamard signs."""
+    the per-tensor amax and the Hadamard signs. And no instruction flushes subnormals to zero
+    (.ftz): the MX rounding to nearest is float arithmetic that must keep them, as numpy does
+    under the interpreter."""
     env = {k: v for k, v in child_env().items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-sm90"],
                           env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
@@ -488,6 +493,7 @@ def test_kernels_move_the_operands_in_16_byte_vectors():
     access = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(access) == 2 * (3 * 2 + 4)
     for name, kinds in access.items():
+        assert kinds.pop("ftz") == 0, name
         if name.startswith("amax "):        # loads only; one atomic per program
             assert set(kinds) == {"ld.global.v4.b32"}, (name, kinds)
             continue

@@ -1,8 +1,10 @@
-"""Integer building blocks of the Triton kernels: float32 bits in, float32 bits out.
+"""Exact building blocks of the Triton kernels: float32 bits in, float32 bits out.
 
-Working on the bit patterns (not with float arithmetic, which a GPU may flush to zero or fuse)
-keeps the kernels exact and gives the same bits under Triton's CPU interpreter. A value is
-read as sig * 2**lsb with a 24-bit integer sig; grid roundings produce q * 2**s with a small
+They give the same bits on a GPU and under Triton's CPU interpreter. Rounding to nearest on an
+element grid is float arithmetic whose every operation is exact but the one rounding wanted
+(nearest_on_grid; the kernels are compiled without contraction, and Triton keeps subnormals).
+Stochastic rounding compares a remainder with the noise, in integers on the bit patterns: a
+value is read as sig * 2**lsb with a 24-bit integer sig, rounded to q * 2**s with a small
 integer q, which `pack` turns back into float32 bits.
 """
 
@@ -128,21 +130,40 @@ def floor_log2(mag):
 
 
 @triton.jit
-def round_to_grid(mag, e, noise, EMIN: tl.constexpr, MBITS: tl.constexpr,
-                  TOP_SIG: tl.constexpr, EMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Round |x| (finite float32 bits `mag`) on the grid of an element format scaled by 2**e:
-    (q, s) with the result q * 2**s.
+def nearest_on_grid(v, EMIN: tl.constexpr, MBITS: tl.constexpr, TOP_SIG: tl.constexpr,
+                    EMAX: tl.constexpr):
+    """float32 v >= 0 (Inf included; NaN gives an unspecified value the callers replace)
+    rounded to nearest, ties to even, on the grid of an element format, saturated at
+    max_normal = TOP_SIG * 2**(EMAX - MBITS): three float operations, exact but for the one
+    rounding wanted.
 
-    The spacing at |x| is 2**s, s = max(floor(log2|x|), EMIN + e) - MBITS. Round to nearest
-    with ties to even, then saturate at max_normal * 2**e = TOP_SIG * 2**(EMAX - MBITS + e);
-    or (STOCHASTIC) saturate first, then round up where noise < frac, frac = the distance to
-    the lower neighbour in units of the spacing, as float32 -- the comparison eager stochastic
-    rounding makes on its float32 x * 2**-e. `noise` holds the float32 bits (int32) of the
-    uniform [0, 1) numbers: non-negative floats order like their bit patterns, so the
-    comparison is an integer one (no float compare that a GPU could flush). Where x * 2**-e is
-    an fp32 subnormal, eager rounds it (to 0 at or below 2**-150) and frac is below any
-    positive uniform number that torch draws (at least 2**-33): only a zero noise rounds up
-    there, and only if the rounded product is not 0.
+    Saturating first gives the same result (max_normal is on the grid) and bounds v. The grid
+    spacing at v is 2**s, s = max(floor(log2 v), EMIN) - MBITS (read from v's exponent bits; an
+    fp32 subnormal reads EMIN). C = 2**(s + 23) is a normal float32 whose neighbours above are
+    2**s apart, and v < 2**(s + MBITS + 1) <= C: so v + C rounds v to nearest even on the grid
+    (C is an even multiple of 2**s) and (v + C) - C is exact. Needs IEEE arithmetic keeping
+    subnormals (no .ftz): what Triton emits, and numpy's under the interpreter."""
+    v = tl.minimum(v, TOP_SIG * 2.0 ** (EMAX - MBITS))
+    exponent = tl.maximum(v.to(tl.int32, bitcast=True) >> 23, EMIN + 127)
+    c = ((exponent + (23 - MBITS)) << 23).to(tl.float32, bitcast=True)
+    return (v + c) - c
+
+
+@triton.jit
+def stochastic_round_to_grid(mag, e, noise, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                             TOP_SIG: tl.constexpr, EMAX: tl.constexpr):
+    """Stochastically round |x| (finite float32 bits `mag`, or Inf) on the grid of an element
+    format scaled by 2**e: (q, s) with the result q * 2**s (`pack`).
+
+    The spacing at |x| is 2**s, s = max(floor(log2|x|), EMIN + e) - MBITS. |x| is saturated at
+    max_normal * 2**e = TOP_SIG * 2**(EMAX - MBITS + e) first, then rounded up where
+    noise < frac, frac = the distance to the lower neighbour in units of the spacing, as
+    float32 -- the comparison eager stochastic rounding makes on its float32 x * 2**-e.
+    `noise` holds the float32 bits (int32) of the uniform [0, 1) numbers: non-negative floats
+    order like their bit patterns, so the comparison is an integer one (no float compare that
+    a GPU could flush). Where x * 2**-e is an fp32 subnormal, eager rounds it (to 0 at or
+    below 2**-150) and frac is below any positive uniform number that torch draws (at least
+    2**-33): only a zero noise rounds up there, and only if the rounded product is not 0.
     """
     bexp = mag >> 23
     sig = tl.where(bexp == 0, mag & 0x7FFFFF, (mag & 0x7FFFFF) | 0x800000)
@@ -154,21 +175,16 @@ def round_to_grid(mag, e, noise, EMIN: tl.constexpr, MBITS: tl.constexpr,
     shift = tl.minimum(tl.maximum(s - lsb, 1), 25)
     q = sig >> shift
     rem = sig & ((1 << shift) - 1)
-    if STOCHASTIC:
-        true_shift = s - lsb
-        rem_bits = rem.to(tl.float32).to(tl.int32, bitcast=True)
-        frac_exp = (rem_bits >> 23) - 127 - true_shift
-        frac_bits = rem_bits - tl.minimum(true_shift, 200) * 8388608
-        up = (rem > 0) & (noise < frac_bits)
-        t = e - 150 - lsb
-        nonzero = (t < 0) | ((t < 24) & (sig > (1 << tl.minimum(tl.maximum(t, 0), 23))))
-        up = tl.where(frac_exp >= -126, up, (noise == 0) & nonzero & (rem > 0))
-        q += up.to(tl.int32)
-        clamp = (xexp > EMAX + e) | ((xexp == EMAX + e) & (sig > (TOP_SIG << (23 - MBITS))))
-    else:
-        half = 1 << (shift - 1)
-        q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-        clamp = (s > top) | ((s == top) & (q > TOP_SIG))
+    true_shift = s - lsb
+    rem_bits = rem.to(tl.float32).to(tl.int32, bitcast=True)
+    frac_exp = (rem_bits >> 23) - 127 - true_shift
+    frac_bits = rem_bits - tl.minimum(true_shift, 200) * 8388608
+    up = (rem > 0) & (noise < frac_bits)
+    t = e - 150 - lsb
+    nonzero = (t < 0) | ((t < 24) & (sig > (1 << tl.minimum(tl.maximum(t, 0), 23))))
+    up = tl.where(frac_exp >= -126, up, (noise == 0) & nonzero & (rem > 0))
+    q += up.to(tl.int32)
+    clamp = (xexp > EMAX + e) | ((xexp == EMAX + e) & (sig > (TOP_SIG << (23 - MBITS))))
     q = tl.where(clamp, TOP_SIG, q)
     s = tl.where(clamp, top, s)
     return q, s
@@ -215,7 +231,7 @@ def square_tiles(shape, size: int):
 
 
 def element_constants(fmt: str) -> dict:
-    """round_to_grid's constexprs of a canonical element format: EMAX, EMIN, MBITS and
+    """The grid roundings' constexprs of a canonical element format: EMAX, EMIN, MBITS and
     TOP_SIG (max_normal = TOP_SIG * 2**(EMAX - MBITS))."""
     info = FORMAT_INFO[fmt]
     top_sig = info.max_normal / 2.0 ** (info.emax_elem - info.mantissa_bits)

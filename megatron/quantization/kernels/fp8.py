@@ -31,7 +31,8 @@ from megatron.quantization.formats.fp8 import (
     FP8_TILE, FLT_MAX, block_value_for_inf, scaled_max)
 from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
-    as_blocks, block_offsets, element_constants, load_bits, load_noise, pack, round_to_grid,
+    as_blocks, block_offsets, element_constants, load_bits, load_noise, nearest_on_grid, pack,
+    stochastic_round_to_grid,
     store_bits, tile_offsets)
 from megatron.quantization.kernels.tuning import (
     ELEMENTS_PER_PROGRAM, axis_launch, launch, tile_launch)
@@ -56,8 +57,12 @@ def _round_scaled(u, scale, scale_inv, noise, EMAX: tl.constexpr, EMIN: tl.const
     """float32 bits of f32(q * scale_inv), q = the element rounding of f32(x * scale)."""
     v = u.to(tl.float32, bitcast=True) * scale
     vbits = v.to(tl.int32, bitcast=True)
-    q, s = round_to_grid(vbits & 0x7FFFFFFF, 0, noise, EMIN, MBITS, TOP_SIG, EMAX, STOCHASTIC)
-    qv = (pack(q, s) | ((vbits >> 31) << 31)).to(tl.float32, bitcast=True)
+    if STOCHASTIC:
+        q, s = stochastic_round_to_grid(vbits & 0x7FFFFFFF, 0, noise, EMIN, MBITS, TOP_SIG, EMAX)
+        mag = pack(q, s)
+    else:
+        mag = nearest_on_grid(tl.abs(v), EMIN, MBITS, TOP_SIG, EMAX).to(tl.int32, bitcast=True)
+    qv = (mag | (vbits & -2147483648)).to(tl.float32, bitcast=True)
     y = (qv * scale_inv).to(tl.int32, bitcast=True)
     return tl.where((vbits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, y)    # NaN stays NaN
 

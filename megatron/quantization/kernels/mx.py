@@ -1,10 +1,10 @@
-"""MX quantize-dequantize in one Triton kernel (integer arithmetic on the float bits).
+"""MX quantize-dequantize in one Triton kernel (exact arithmetic on the float bits).
 
 A tensor is seen as [outer, length, inner] with the block axis in the middle (no copy: any
 axis of a contiguous tensor). A program takes a group of blocks of 32 elements laid out so that
 its loads and stores are contiguous in memory whatever the axis (bits.block_offsets); how
-many, and its warps, are tuned on the GPU (kernels/tuning.py). Per block, in integer
-arithmetic on the float32 bits (a bf16 value is its high 16 bits):
+many, and its warps, are tuned on the GPU (kernels/tuning.py). Per block, on the float32
+bits (a bf16 value is its high 16 bits):
 
     amax     the largest |x| bit pattern (it orders like the magnitudes; NaN > Inf > finite;
              the zero padding of a short tail never wins), as in the eager path;
@@ -12,16 +12,18 @@ arithmetic on the float32 bits (a bf16 value is its high 16 bits):
              field exceeds the rule's threshold (scale_rule_threshold: rceil, ceil, even);
              -127 for a zero or subnormal amax; clamped to [-127, 127]; a block holding NaN
              or Inf comes out all NaN;
-    element  x = sig * 2**lsb exactly; the element grid spacing at x is 2**S with
-             S = max(floor(log2|x|), emin_elem + e) - mbits (fp32 subnormals read their
-             exponent from their leading bit); sig is rounded to a multiple of 2**(S - lsb),
-             to nearest with ties to even, and a result above max_normal * 2**e saturates to
-             it; or, for stochastic rounding, |x| is saturated first and rounded up where
-             eager's uniform number (read from the noise tensor) is below the fraction
-             (bits.round_to_grid);
-             q * 2**S is written back as float32 bits (a subnormal where it is one; Inf
-             where it exceeds float32, the rceil overflow of pitfall P12), with x's sign
-             (so -0 and tiny negatives give -0, as eager does);
+    element  round to nearest: float operations on |x| (_scaled_nearest: scale by 2**-e,
+             saturate, round on the grid by adding and subtracting a power of two whose
+             float32 spacing is the grid's, scale back), each exact or the one rounding
+             wanted; stochastic rounding in integers: x = sig * 2**lsb exactly, the grid
+             spacing at x is 2**S with S = max(floor(log2|x|), emin_elem + e) - mbits (fp32
+             subnormals read their exponent from their leading bit), |x| is saturated,
+             then rounded up where eager's uniform number (read from the noise tensor) is
+             below the fraction (bits.stochastic_round_to_grid), and q * 2**S written back
+             as float32 bits;
+             either way a subnormal where the result is one, Inf where it exceeds float32
+             (the rceil overflow of pitfall P12), with x's sign (so -0 and tiny negatives
+             give -0, as eager does);
     bf16     the exact float32 result is rounded once to bf16, to nearest even.
 
 This is the value the eager path defines (scale exactly, round once, dequantize exactly).
@@ -38,8 +40,8 @@ import triton.language as tl
 
 from megatron.quantization.formats.common import FORMAT_INFO, MX_BLOCK_SIZE
 from megatron.quantization.kernels.bits import (
-    as_blocks, block_offsets, element_constants, load_bits, load_noise, pack, round_to_grid,
-    store_bits)
+    as_blocks, block_offsets, element_constants, load_bits, load_noise, nearest_on_grid, pack,
+    stochastic_round_to_grid, store_bits)
 from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
 from megatron.quantization.kernels.tuning import axis_launch, launch
 
@@ -61,10 +63,36 @@ def mx_quantize_blocks(u, noise, EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: 
     e = tl.minimum(tl.maximum(e, -127), 127)     # a zero or subnormal amax: -127
     bad = amax >= 0x7F800000
 
-    q, s = round_to_grid(mag, e[:, None], noise, EMIN, MBITS, TOP_SIG, EMAX, STOCHASTIC)
-    res = pack(q, s) | ((u >> 31) << 31)             # x's sign (-0 for negatives that vanish)
+    if STOCHASTIC:
+        q, s = stochastic_round_to_grid(mag, e[:, None], noise, EMIN, MBITS, TOP_SIG, EMAX)
+        res = pack(q, s)
+    else:
+        res = _scaled_nearest(mag, e, EMIN, MBITS, TOP_SIG, EMAX)
+    res = res | (u & -2147483648)                    # x's sign (-0 for negatives that vanish)
     return tl.where(bad[:, None], 0x7FC00000, res)
 
+
+@triton.jit
+def _scaled_nearest(mag, e, EMIN: tl.constexpr, MBITS: tl.constexpr, TOP_SIG: tl.constexpr,
+                    EMAX: tl.constexpr):
+    """float32 bits of |x| (finite bits `mag`, blocks [n, 32]) rounded to nearest even on the
+    element grid scaled by 2**e (e per block, in [-127, 127]), saturated at max_normal * 2**e:
+
+        y = |x| * 2**-e     exact where y is normal; where it is an fp32 subnormal (y < 2**-126)
+                            y and its rounding are both far below half the format's smallest
+                            spacing (2**-17, E5M2), so both round to 0
+        r = nearest_on_grid(y)
+        r * 2**e            exact: r's lowest bit is at least 2**(EMIN - MBITS) and 2**e at
+                            least 2**-127, so a subnormal product keeps every bit (E5M2:
+                            2**-143); above float32's range it is Inf (the rceil overflow)
+
+    Only a block holding Inf or NaN (whose result the caller replaces) has e = 127: 2**-e is
+    then 0."""
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    up = tl.where(e > -127, (127 + e) << 23, 0x400000).to(tl.float32, bitcast=True)
+    r = nearest_on_grid(mag.to(tl.float32, bitcast=True) * down[:, None], EMIN, MBITS, TOP_SIG,
+                        EMAX)
+    return (r * up[:, None]).to(tl.int32, bitcast=True)
 
 @triton.jit
 def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, signs_ptr, n_blocks, length, inner, blocks_per_row,

@@ -14,8 +14,9 @@ eager does:
     v = clamp(x * enc, -6, 6);  q = E2M1(v)            (nearest even, or stochastic)
     y = q * f32(f32(s * amax) * f32(1/2688))
 
-The two grid roundings are the integer ones of bits.round_to_grid; a tensor holding NaN or
-Inf (or a non-finite imposed amax) comes out all NaN. The float products are IEEE float32
+The two grid roundings are bits.nearest_on_grid's (stochastic: the integer ones of
+bits.stochastic_round_to_grid); a tensor holding NaN or Inf (or a non-finite imposed amax)
+comes out all NaN. The float products are IEEE float32
 multiplications (Triton keeps float32 subnormals in them on NVIDIA GPUs; the divisions are
 launched without libdevice's flush-to-zero).
 """
@@ -32,8 +33,8 @@ from megatron.quantization.formats.common import NVFP4_BLOCK_SIZE
 from megatron.quantization.formats.nvfp4 import ONE_OVER_2688_F32, FLT_MAX, ONE_SIXTH_F32
 from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
-    as_blocks, block_offsets, load_bits, load_noise, pack, round_to_grid, store_bits,
-    tile_offsets)
+    as_blocks, block_offsets, load_bits, load_noise, nearest_on_grid, pack,
+    stochastic_round_to_grid, store_bits, tile_offsets)
 from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
 from megatron.quantization.kernels.tuning import axis_launch, launch, tile_launch
 
@@ -79,9 +80,7 @@ def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, imposed_ptr, signs_ptr,
     per_unit = s_enc * 0.1666666716337204                              # f32(1/6)
 
     amax_b = tl.max(u & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
-    big = (amax_b * per_unit).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    qs, ss = round_to_grid(big, 0, 0, -6, 3, 14, 8, False)          # E4M3, saturating
-    s = pack(qs, ss).to(tl.float32, bitcast=True)
+    s = nearest_on_grid(amax_b * per_unit, -6, 3, 14, 8)           # E4M3, saturating
     p = s * s_dec
     recip = tl.math.div_rn(tl.full(p.shape, 1.0, tl.float32), tl.where(p == 0.0, 1.0, p))
     enc = tl.where(p == 0.0, 3.4028234663852886e38, tl.minimum(recip, 3.4028234663852886e38))
@@ -91,10 +90,13 @@ def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, imposed_ptr, signs_ptr,
     v = tl.minimum(tl.maximum(v, -6.0), 6.0)
     vbits = v.to(tl.int32, bitcast=True)
     noise = load_noise(noise_ptr, offs, mask, STOCHASTIC)
-    if STOCHASTIC:
+    if STOCHASTIC:                                                      # E2M1
         noise = tl.reshape(as_blocks(noise, LAYOUT), [BLOCKS, 256 if TILE_2D else 16])
-    q, qe = round_to_grid(vbits & 0x7FFFFFFF, 0, noise, 0, 1, 3, 2, STOCHASTIC)   # E2M1
-    qv = (pack(q, qe) | ((vbits >> 31) << 31)).to(tl.float32, bitcast=True)
+        q, qe = stochastic_round_to_grid(vbits & 0x7FFFFFFF, 0, noise, 0, 1, 3, 2)
+        mag = pack(q, qe)
+    else:
+        mag = nearest_on_grid(tl.abs(v), 0, 1, 3, 2).to(tl.int32, bitcast=True)
+    qv = (mag | (vbits & -2147483648)).to(tl.float32, bitcast=True)
     y = (qv * dec[:, None]).to(tl.int32, bitcast=True)
     y = tl.where(finite, y, 0x7FC00000)
     store_bits(y_ptr, offs, mask, as_blocks(tl.reshape(y, [GROUP_, WIDTH]), LAYOUT), IS_BF16)
