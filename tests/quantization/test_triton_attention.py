@@ -414,8 +414,8 @@ def compile_for_h100():
     for bf16 (d = dv = 64 and 128, causal, MXFP8, rceil; integer arguments and pointers
     divisible by 16, as at training shapes): no GPU is needed, and the compiler checks what
     the interpreter does not (globals must be constexpr, layouts, shared memory). Returns
-    each configuration's shared memory and how many of its GEMM instructions are wgmma and
-    mma.sync."""
+    each configuration's shared memory, how many of its GEMM instructions are wgmma and
+    mma.sync, and its instructions other than exp's ex2 that flush subnormals to zero."""
     import torch
     import triton
     from megatron.quantization.kernels import attention as kernels
@@ -458,9 +458,11 @@ def compile_for_h100():
                 done = triton.compile(ASTSource(kernel, signature, constants, divisible),
                                       target=target, options=options)
                 ptx = done.asm["ptx"]
+                flushing = [line for line in ptx.splitlines() if ".ftz" in line]
                 compiled[f"{name} d{head_dim} {tuple(config)}"] = {
                     "shared": done.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
-                    "mma.sync": ptx.count("mma.sync")}
+                    "mma.sync": ptx.count("mma.sync"),
+                    "ftz": [line for line in flushing if "ex2.approx.ftz.f32" not in line]}
     return {"compiled": compiled}
 
 
@@ -587,7 +589,8 @@ def test_the_kernels_compile_for_an_h100(compiled):
     """The GPU compiler accepts the kernels in every configuration autotuning may pick on an
     H100, they fit its shared memory, and every tl.dot is a wgmma (one instruction family,
     so that S, and P, are the same whatever tiles each kernel takes; the interpreter runs
-    Python and checks none of this)."""
+    Python and checks none of this). No instruction but exp's ex2 flushes subnormals to zero:
+    the MX roundings in the tiles are float arithmetic that must keep them."""
     returncode, stdout, stderr = compiled()
     assert returncode == 0, stderr[-4000:]
     report = json.loads(stdout.strip().splitlines()[-1])
@@ -596,6 +599,7 @@ def test_the_kernels_compile_for_an_h100(compiled):
     for name, c in report["compiled"].items():
         assert 0 < c["shared"] <= H100_SHARED_BYTES and c["wgmma"] > 0 and not c["mma.sync"], \
             (name, c)
+        assert not c["ftz"], (name, c["ftz"][:3])
 
 
 ACCEPTED = ("mxfp8", "none", "mxfp4 rceil", "hifp8 outside only", "stochastic dO outside")

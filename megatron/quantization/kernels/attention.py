@@ -18,8 +18,8 @@ Forward, per (query tile, key tile), in the chunked path's order:
     S   = Q_q @ K_q^T                  fp32 accumulation, rounded to the dtype
     x   = float(dtype(S * scale))      the product in fp32, rounded to the dtype
     x   = -10000 where the mask hides the key
-    P_fp32 = exp(x - m) / l               m, l: the row's max of x and sum of exp(x - m) over all
-                                       keys (first pass, online); IEEE division
+    P_fp32 = exp(x - m) * (1 / l)      m, l: the row's max of x and sum of exp(x - m) over all
+                                       keys (first pass, online); 1 / l rounded once per row
     P   = dtype(P_fp32)
     P_q = MX(P) in blocks of 32 consecutive keys (PV fprop.a)
     O  += P_q @ V_q                    fp32 accumulation; O rounded to the dtype at the end
@@ -60,16 +60,19 @@ Kernels, and what each (query tile, key tile) pair costs them:
   tiles are [keys, rows] (S^T = K Q^T, dP^T = V dO^T), so that the quantizations along the
   rows run along the tiles' last axis like the others (see _mx_along_last).
 That is 12 tile GEMMs where FlashAttention-2 runs 7; the kernels' time goes to the
-elementwise work per score (the MX quantizations above all), not to the GEMMs. The backward
+elementwise work per score, not to the GEMMs: on sm_90 about 13 instructions per score for
+the forward's pass 1, 31 for its pass 2, 18 and 39 for the dQ kernel's two passes and 66 for
+the dK/dV kernel (unmasked tiles, d = 64). An MX quantization of a tile is some 16 of them
+(float arithmetic, bits.nearest_on_grid), exp one ex2, the softmax's division one
+multiplication by the row's 1 / l. The backward
 stays two deterministic kernels: one pass over the key tiles could add every key tile's part
 of dQ with fp32 atomics, but their order varies from run to run and training must be
 reproducible bit for bit (a resumed run equals the uninterrupted one); and the dQ pass must
 know delta over all keys before its first dS anyway.
 Causal masking: the forward and the dQ kernel first run over the key tiles that every row of
 the query tile sees in full (no mask, no selects), then over the diagonal ones (and a key
-tile past sk). The dK/dV kernel masks every tile of a causal call: a second, unmasked copy of
-its body cost more in registers (spills) than the mask does (some 9 of its ~160 instructions
-per score on sm_90).
+tile past sk). The dK/dV kernel masks only the query tiles holding a row that does not see
+every key of its key tile (some 15 of its ~80 instructions per score).
 Operands are loaded in their dtype and fed to tl.dot as they are (pipelined into shared
 memory on a GPU), and the roundings to bf16 are the GPU's conversion instruction; the bit
 arithmetic is left to the MX quantizations, which need it.
@@ -96,7 +99,10 @@ What is exact:
 What differs from the chunked path (summation order and transcendental functions only):
 * fp32 accumulation order of every GEMM (tiles vs the BLAS's order), of the softmax sum
   (online over key tiles, rescaled by exp(m_old - m_new)) and of delta;
-* exp (Triton's, an approximation on GPUs) instead of torch's;
+* exp(t) is 2**(t * log2(e)) (the product rounded to float32; 2**t is the GPU's approximate
+  ex2, numpy's exp2 under the interpreter) instead of torch's exp, and the probabilities are
+  multiplied by the row's 1 / l (torch's CPU softmax does the same, with its own sum; its CUDA
+  softmax divides): each within an ulp or two of the exact softmax;
 * dK and dV are rounded to the dtype once, after accumulating all query rows in fp32; the
   chunked path rounds each chunk's part to the dtype before summing the parts in fp32 (the
   unfused path rounds once, as here).
@@ -127,6 +133,7 @@ from megatron.quantization.kernels.mx import format_constants, mx_quantize_block
 
 MAX_HEAD_DIM = 128  # largest d and dv (padded to a power of two in registers)
 MASK_FILL = tl.constexpr(-10000.0)   # megatron's attention_mask_func fill
+LOG2E = tl.constexpr(1.4426950408889634)     # log2(e), rounded to float32 where it is used
 DTYPES = (torch.bfloat16, torch.float32)
 
 # quantize(site, gemm, name, side, tensor, axis) -> the operand as that GEMM slot quantizes
@@ -153,7 +160,7 @@ OperandQuantizer = Callable[[str, str, str, str, torch.Tensor, int], torch.Tenso
 #   tile, each tile's part summed by tl.sum in an order set by the register layout; so it
 #   depends on the forward's key tile width and its layout (tile shape and warps). Likewise
 #   delta (a tl.sum per key tile) in the dQ kernel.
-# * The backward reads m and l from the forward and computes P = exp(x - m) / l element by
+# * The backward reads m and l from the forward and computes P = exp(x - m) * (1 / l) element by
 #   element: the forward's P bit for bit, whatever the backward's tiles.
 # So the forward and the dQ kernel take one tile shape and warp count per GPU generation and
 # dtype (timed: only their pipeline stages, which move loads, not arithmetic); the dK/dV
@@ -187,8 +194,8 @@ class TileConfig(NamedTuple):
 # (rows, keys, warps) of the forward and the dQ kernel by (compute capability major, dtype),
 # major 0 for any other GPU. Hopper: 128 x 64 with 8 warps, each warp 16 whole rows (row
 # reductions stay in a warp; 64-row tiles on 8 warps would hold every element twice) and 32
-# elements per thread: 170-240 registers, no spill (the dQ kernel spills ~100 bytes at
-# d = 128). fp32 multiplies with FMAs and spills whatever the tile: small tiles, 8 warps.
+# elements per thread: 170-250 registers, no spill. fp32 multiplies with FMAs and spills
+# whatever the tile: small tiles, 8 warps.
 ROW_TILES = MappingProxyType({
     (9, torch.bfloat16): (128, 64, 8),
     (0, torch.bfloat16): (64, 64, 4),
@@ -197,12 +204,13 @@ ROW_TILES = MappingProxyType({
 ROW_STAGES = MappingProxyType({torch.bfloat16: (2, 3), torch.float32: (1,)})
 # (rows, keys, warps) the dK/dV kernel is timed over, by dtype and head dim (up to 64 or
 # 128): its tiles are [keys, rows], 128 keys for 8 warps (each warp 16 whole keys), and it
-# holds dK and dV besides, so fewer rows: 155-160 instructions per score, 207-255 registers,
-# spills of at most ~120 bytes (4 warps leave room for two blocks per SM, 8 warps for one).
+# holds dK and dV besides, so fewer rows: 64-71 instructions per score (78-86 on masked tiles),
+# 165-247 registers, no spill (4 warps leave room for two blocks per SM, 8 warps for one; at
+# d = 128 the 4-warp tile spills, so it is no candidate there).
 # Its loads sit in a conditional (the skipped tiles) and are not pipelined: one stage.
 KEY_TILES = MappingProxyType({
     (torch.bfloat16, 64): ((32, 64, 4), (32, 128, 8), (64, 128, 8)),
-    (torch.bfloat16, 128): ((32, 64, 4), (32, 128, 8)),
+    (torch.bfloat16, 128): ((32, 128, 8),),
     (torch.float32, 64): ((32, 64, 8),),
     (torch.float32, 128): ((32, 64, 8),),
 })
@@ -322,10 +330,25 @@ def _scaled_scores(s, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _probs32(x, m, l):
-    """The fp32 softmax exp(x - m) / l (IEEE division), as torch computes it; m and l
-    broadcast like x."""
-    return tl.math.div_rn(tl.exp(x - m), l)
+def _exp(t):
+    """exp(t) in float32 as 2**(t * log2(e)): on a GPU the approximate ex2 instruction,
+    flushing results below 2**-126 to zero (ex2.approx.ftz: one instruction, where the
+    subnormal-preserving variant takes five; a probability below 2**-126 adds nothing to l
+    beside its largest term, 1, and less than 2**-126 * |V| to any output)."""
+    return tl.math.exp2(t * LOG2E)
+
+
+@triton.jit
+def _reciprocal(l):
+    """1 / l, rounded to nearest (IEEE division, once per row)."""
+    return tl.math.div_rn(tl.full(l.shape, 1.0, tl.float32), l)
+
+
+@triton.jit
+def _probs32(x, m, inv_l):
+    """The fp32 softmax exp(x - m) * (1 / l): one multiplication per element, where a division
+    costs some ten instructions; m and 1 / l broadcast like x."""
+    return _exp(x - m) * inv_l
 
 
 @triton.jit
@@ -416,20 +439,20 @@ def _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D,
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
                                IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
     m_new = tl.maximum(m, tl.max(x, axis=1))
-    l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+    l = l * _exp(m - m_new) + tl.sum(_exp(x - m_new[:, None]), axis=1)
     return m_new, l
 
 
 @triton.jit
 def _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims, last_visible,
-                 m, l, scale, R, SK, D, DV, P_FMT: tl.constexpr, MASKED: tl.constexpr,
+                 m, inv_l, scale, R, SK, D, DV, P_FMT: tl.constexpr, MASKED: tl.constexpr,
                  CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
                  PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
                  BLOCK_N_: tl.constexpr):
     """The forward's pass 2 over one key tile: acc += MX_keys(P) @ V."""
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
                                IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
-    p = _round_to_dtype(_probs32(x, m[:, None], l[:, None]), IS_BF16, INTERPRETED)
+    p = _round_to_dtype(_probs32(x, m[:, None], inv_l[:, None]), IS_BF16, INTERPRETED)
     pq = _mx_along_last(p, BLOCK_M_, BLOCK_N_, P_FMT)
     v = _load(v_ptr, cols, vdims, DV, 1, SK, DV, IS_BF16, INTERPRETED)
     acc = tl.dot(_operand(pq, IS_BF16, INTERPRETED), v, acc, input_precision=PRECISION)
@@ -469,14 +492,15 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, l_ptr, p_dbg, pq_dbg, 
                            CAUSAL, IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
 
     # Pass 2: the exact probabilities, rounded and quantized, times V.
+    inv_l = _reciprocal(l)
     acc = tl.zeros((BLOCK_M_, BLOCK_DV), tl.float32)
     for n0 in range(0, full, BLOCK_N_):
         acc = _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims,
-                           last_visible, m, l, scale, R, SK, D, DV, P_FMT, False, CAUSAL,
+                           last_visible, m, inv_l, scale, R, SK, D, DV, P_FMT, False, CAUSAL,
                            IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
         acc = _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims,
-                           last_visible, m, l, scale, R, SK, D, DV, P_FMT, True, CAUSAL,
+                           last_visible, m, inv_l, scale, R, SK, D, DV, P_FMT, True, CAUSAL,
                            IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
 
     _store(out_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, acc, IS_BF16, INTERPRETED)
@@ -486,7 +510,8 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, l_ptr, p_dbg, pq_dbg, 
 
 
 @triton.jit
-def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, l, scale, SK, D, DV,
+def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, scale, SK, D,
+                DV,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
                 INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
     """One key tile's part of delta = sum_j P32_j * dP_j."""
@@ -494,12 +519,13 @@ def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, l, scal
                                IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
     vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
     dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
-    return tl.sum(_probs32(x, m[:, None], l[:, None]) * dp, axis=1)
+    return tl.sum(_probs32(x, m[:, None], inv_l[:, None]) * dp, axis=1)
 
 
 @triton.jit
 def _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims, vdims,
-                     last_visible, m, l, delta, scale, R, SK, D, DV, DS_FMT: tl.constexpr,
+                     last_visible, m, inv_l, delta, scale, R, SK, D, DV,
+                     DS_FMT: tl.constexpr,
                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
                      INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
                      BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
@@ -508,7 +534,7 @@ def _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, row
                                IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
     vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
     dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
-    dx = _probs32(x, m[:, None], l[:, None]) * (dp - delta[:, None])
+    dx = _probs32(x, m[:, None], inv_l[:, None]) * (dp - delta[:, None])
     if MASKED:
         dx = tl.where(_row_hidden(cols, last_visible, SK, CAUSAL), 0.0, dx)
     ds = _score_grad(dx, scale, IS_BF16, INTERPRETED)
@@ -542,27 +568,29 @@ def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, l_ptr, 
     q = _load(q_ptr + g * R * D, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
     do = _load(do_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, IS_BF16, INTERPRETED)
     m = tl.load(m_ptr + g * R + rows, mask=row_ok, other=0.0)
-    l = tl.load(l_ptr + g * R + rows, mask=row_ok, other=1.0)
+    inv_l = _reciprocal(tl.load(l_ptr + g * R + rows, mask=row_ok, other=1.0))
     last_visible = rows % SQ + (SK - SQ)
     full, end = _key_ranges(rows, last_visible, R, SK, BLOCK_N_, CAUSAL, SKIP)
 
     delta = tl.zeros((BLOCK_M_,), tl.float32)
     for n0 in range(0, full, BLOCK_N_):
-        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, l, scale,
-                             SK, D, DV, False, CAUSAL, IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l,
+                             scale, SK, D, DV, False, CAUSAL, IS_BF16, INTERPRETED, PRECISION,
+                             BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
-        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, l, scale,
-                             SK, D, DV, True, CAUSAL, IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l,
+                             scale, SK, D, DV, True, CAUSAL, IS_BF16, INTERPRETED, PRECISION,
+                             BLOCK_N_)
 
     dq = tl.zeros((BLOCK_M_, BLOCK_D), tl.float32)
     for n0 in range(0, full, BLOCK_N_):
         dq = _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims,
-                              vdims, last_visible, m, l, delta, scale, R, SK, D, DV, DS_FMT,
+                              vdims, last_visible, m, inv_l, delta, scale, R, SK, D, DV, DS_FMT,
                               False, CAUSAL, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
                               BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
         dq = _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims,
-                              vdims, last_visible, m, l, delta, scale, R, SK, D, DV, DS_FMT,
+                              vdims, last_visible, m, inv_l, delta, scale, R, SK, D, DV, DS_FMT,
                               True, CAUSAL, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
                               BLOCK_N_)
 
@@ -585,7 +613,7 @@ def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, l_p
     # Rows past R get m = +inf: P, and so dS, is exactly zero there, the padding their row
     # blocks need, without a select per element.
     m = tl.load(m_ptr + rows, mask=row_ok, other=float("inf"))
-    l = tl.load(l_ptr + rows, mask=row_ok, other=1.0)
+    inv_l = _reciprocal(tl.load(l_ptr + rows, mask=row_ok, other=1.0))
     if INTERPRETED:
         s_t = tl.trans(tl.dot(q, k_tile, input_precision=PRECISION))
     else:
@@ -595,7 +623,7 @@ def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, l_p
         hidden_t = cols[:, None] > last_visible[None, :]
         x_t = tl.where(hidden_t, MASK_FILL, x_t)
     # Keys past sk need no mask here: their rows of the [keys, rows] tiles are never stored.
-    p32_t = _probs32(x_t, m[None, :], l[None, :])
+    p32_t = _probs32(x_t, m[None, :], inv_l[None, :])
     # dV before dP: fewer [keys, rows] tiles live at once (registers).
     p_t = _round_to_dtype(p32_t, IS_BF16, INTERPRETED)
     pq_t = _mx_along_last(p_t, BLOCK_N_, BLOCK_M_, P_FMT)
@@ -660,7 +688,14 @@ def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, 
     for m0 in range(0, R, BLOCK_M_):
         rows = m0 + tl.arange(0, BLOCK_M_)
         last_visible = _positions(m0, SQ, BLOCK_M_) + (SK - SQ)
-        if _tile_needed(last_visible, rows < R, first_key, SKIP):
+        seen_by_all = tl.min(tl.where(rows < R, last_visible, SK), axis=0)
+        if CAUSAL and seen_by_all >= first_key + BLOCK_N_ - 1:
+            dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
+                               l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
+                               last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT,
+                               False, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
+                               BLOCK_N_)
+        elif _tile_needed(last_visible, rows < R, first_key, SKIP):
             dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
                                l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
                                last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT,
