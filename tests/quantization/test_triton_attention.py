@@ -415,26 +415,19 @@ def compile_for_h100():
     divisible by 16, as at training shapes): no GPU is needed, and the compiler checks what
     the interpreter does not (globals must be constexpr, layouts, shared memory). Returns
     each configuration's shared memory, how many of its GEMM instructions are wgmma and
-    mma.sync, and its instructions other than exp's ex2 that flush subnormals to zero."""
+    mma.sync, its instructions other than exp's ex2 that flush subnormals to zero, how many
+    loops its SASS has and how many bytes per thread ptxas spills."""
     import torch
-    import triton
     from megatron.quantization.kernels import attention as kernels
+    from megatron.quantization.kernels import offline
     try:
         from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
         from triton.compiler.compiler import make_backend
-        target = GPUTarget("cuda", 90, 32)
-        make_backend(target)
+        make_backend(GPUTarget(*offline.SM90))
     except Exception as e:      # a Triton without its CUDA backend
         return {"skipped": repr(e)}
-    fmt = kernels._slot_constants("mxfp8_e4m3", "rceil")
-    launches = {"forward": (kernels._forward_kernel, {"P_FMT": fmt}),
-                "query": (kernels._backward_query_kernel, {"DS_FMT": fmt}),
-                "key": (kernels._backward_key_kernel, {"P_FMT": fmt, "DS_FMT": fmt})}
-    scalars = {"scale": "fp32", "R": "i32", "SQ": "i32", "SK": "i32", "D": "i32", "DV": "i32"}
     compiled = {}
-    for name, (tuned, slots) in launches.items():
-        kernel = tuned.fn           # the autotuner's JITFunction
+    for name in ("forward", "query", "key"):
         for head_dim in (64, 128):
             configs = kernels.tile_configs(name, (9, 0), torch.bfloat16, head_dim)
             # the stages only size the load buffers: the most of them; d = 64 only where its
@@ -444,25 +437,15 @@ def compile_for_h100():
                 configs = [c for c in configs if c not in kernels.tile_configs(
                     name, (9, 0), torch.bfloat16, 128)]
             for config in configs:
-                constants = kernels._launch_options(torch.bfloat16, head_dim, head_dim)
-                options = dict(num_warps=config.warps, num_stages=config.stages,
-                               enable_fp_fusion=constants.pop("enable_fp_fusion"))
-                constants.update(slots, CAUSAL=True, SKIP=True, DEBUG=False,
-                                 BLOCK_M_=config.block_m, BLOCK_N_=config.block_n)
-                signature = {arg: "constexpr" if arg in constants else scalars.get(
-                    arg, "*fp32" if arg in ("m_ptr", "l_ptr", "delta_ptr") else "*bf16")
-                    for arg in kernel.arg_names}
-                divisible = {(i,): [["tt.divisibility", 16]]
-                             for i, arg in enumerate(kernel.arg_names)
-                             if signature[arg][0] == "*" or arg in ("R", "SQ", "SK", "D", "DV")}
-                done = triton.compile(ASTSource(kernel, signature, constants, divisible),
-                                      target=target, options=options)
+                done = offline.compile_attention(name, config, head_dim)
                 ptx = done.asm["ptx"]
                 flushing = [line for line in ptx.splitlines() if ".ftz" in line]
                 compiled[f"{name} d{head_dim} {tuple(config)}"] = {
                     "shared": done.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
                     "mma.sync": ptx.count("mma.sync"),
-                    "ftz": [line for line in flushing if "ex2.approx.ftz.f32" not in line]}
+                    "ftz": [line for line in flushing if "ex2.approx.ftz.f32" not in line],
+                    "loops": len(offline.loop_instructions(done.asm["cubin"])),
+                    "spilled": offline.register_use(done)[1]}
     return {"compiled": compiled}
 
 
@@ -590,7 +573,8 @@ def test_the_kernels_compile_for_an_h100(compiled):
     H100, they fit its shared memory, and every tl.dot is a wgmma (one instruction family,
     so that S, and P, are the same whatever tiles each kernel takes; the interpreter runs
     Python and checks none of this). No instruction but exp's ex2 flushes subnormals to zero:
-    the MX roundings in the tiles are float arithmetic that must keep them."""
+    the MX roundings in the tiles are float arithmetic that must keep them. No configuration
+    spills registers, and the loops are those benchmarks/attention_code.py labels."""
     returncode, stdout, stderr = compiled()
     assert returncode == 0, stderr[-4000:]
     report = json.loads(stdout.strip().splitlines()[-1])
@@ -600,6 +584,11 @@ def test_the_kernels_compile_for_an_h100(compiled):
         assert 0 < c["shared"] <= H100_SHARED_BYTES and c["wgmma"] > 0 and not c["mma.sync"], \
             (name, c)
         assert not c["ftz"], (name, c["ftz"][:3])
+        # as benchmarks/attention_code.py reads them: the forward's and the dQ kernel's two
+        # passes over unmasked and masked key tiles, the dK/dV kernel's one loop over the
+        # query tiles
+        assert c["loops"] == (1 if name.startswith("key") else 4), (name, c["loops"])
+        assert c["spilled"] == 0, (name, c["spilled"])     # spills would cost every tile
 
 
 ACCEPTED = ("mxfp8", "none", "mxfp4 rceil", "hifp8 outside only", "stochastic dO outside")

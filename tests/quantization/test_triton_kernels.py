@@ -315,22 +315,14 @@ def vector_access() -> dict:
     import re
     from collections import Counter
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from megatron.quantization.kernels import amax, fp8, hifp8, mx, nvfp4
     from megatron.quantization.kernels.bits import COLUMNS, FLAT, ROWS, element_constants
+    from megatron.quantization.kernels.offline import compile_for
     scalars = ("noise_ptr", "signs_ptr", "out_ptr", "amax_ptr", "imposed_ptr")
 
     def access(kernel, constants, dtype):
-        signature = {a: "constexpr" if a in constants else "*fp32" if a in scalars else
-                     dtype if a.endswith("_ptr") else "i32" for a in kernel.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-                   if a not in constants}     # as Triton specialises 16-aligned arguments
-        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs=aligned),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"enable_fp_fusion": False})
-        ptx = compiled.asm["ptx"]
+        types = {"*_ptr": dtype, "scaled_max": "fp32", **dict.fromkeys(scalars, "*fp32")}
+        ptx = compile_for(kernel, constants, types, {"enable_fp_fusion": False}).asm["ptx"]
         return dict(Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx)),
                     ftz=len(re.findall(r"\.ftz\b", ptx)))
 

@@ -758,6 +758,27 @@ def _launch_options(dtype: torch.dtype, head_dim: int, value_dim: int) -> dict:
                 BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), enable_fp_fusion=False)
 
 
+def specialisation(name: str, config: TileConfig, head_dim: int,
+                   dtype: torch.dtype = torch.bfloat16, causal: bool = True,
+                   fmt: Tuple[str, str] = ("mxfp8_e4m3", "rceil")) -> tuple:
+    """(kernel, constexprs, argument types, compile options) of a launch of the kernel `name`
+    ("forward", "query" or "key") with tile configuration `config`, d = dv = head_dim and
+    every tile slot in MX format `fmt` (format, scale rule), as training launches it: what
+    kernels/offline.py compiles for a GPU that is not here."""
+    slot = _slot_constants(*fmt)
+    kernel, slots = {"forward": (_forward_kernel, {"P_FMT": slot}),
+                     "query": (_backward_query_kernel, {"DS_FMT": slot}),
+                     "key": (_backward_key_kernel, {"P_FMT": slot, "DS_FMT": slot})}[name]
+    constants = _launch_options(dtype, head_dim, head_dim)
+    options = dict(num_warps=config.warps, num_stages=config.stages,
+                   enable_fp_fusion=constants.pop("enable_fp_fusion"))
+    constants.update(slots, CAUSAL=causal, SKIP=causal, DEBUG=False, BLOCK_M_=config.block_m,
+                     BLOCK_N_=config.block_n)
+    types = {"*_ptr": "*bf16" if dtype == torch.bfloat16 else "*fp32", "m_ptr": "*fp32",
+             "l_ptr": "*fp32", "delta_ptr": "*fp32", "scale": "fp32"}
+    return kernel, constants, types, options
+
+
 def _launch(kernel, name: str, grid: Callable[[int, int], tuple], args: list, constexprs: dict):
     """kernel[grid(rows per tile, keys per tile)](*args): autotuned on a GPU, with
     INTERPRETER_TILES[name] under the interpreter."""
