@@ -512,8 +512,8 @@ def quantized_ms(seq: int, head_dim: int, repeats: int, device) -> tuple:
     fwd = timed_ms(forward, repeats, device)
     stats = forward()
     bwd = timed_ms(lambda _: kernels.attention_backward(
-        grad, grad, q, q, k_t, k_t, v, stats.row_max, stats.row_sum, formats, scale, True, seq),
-        repeats, device)
+        grad, grad, q, q, k_t, k_t, v, stats.row_max, stats.inv_row_sum, formats, scale, True,
+        seq), repeats, device)
     return fwd, bwd
 
 

@@ -274,7 +274,7 @@ def _kernel_run(quantize, inputs, formats, scale, causal, sq, skip=True, debug=T
         quantize("pv", "dgrad", "grad_output", "a", grad, 2),
         quantize("pv", "wgrad", "grad_output", "b", grad, 1), q_f,
         quantize("qk", "wgrad", "a", "a", q, 1), k_f, quantize("qk", "dgrad", "b", "b", k_t, 2),
-        quantize("pv", "dgrad", "b", "b", v, 2), fwd.row_max, fwd.row_sum, formats, scale,
+        quantize("pv", "dgrad", "b", "b", v, 2), fwd.row_max, fwd.inv_row_sum, formats, scale,
         causal, sq, skip, debug)
     return fwd, bwd
 

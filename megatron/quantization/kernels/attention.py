@@ -20,6 +20,7 @@ Forward, per (query tile, key tile), in the chunked path's order:
     x   = -10000 where the mask hides the key
     P_fp32 = exp(x - m) * (1 / l)      m, l: the row's max of x and sum of exp(x - m) over all
                                        keys (first pass, online); 1 / l rounded once per row
+                                       and kept for the backward
     P   = dtype(P_fp32)
     P_q = MX(P) in blocks of 32 consecutive keys (PV fprop.a)
     O  += P_q @ V_q                    fp32 accumulation; O rounded to the dtype at the end
@@ -87,7 +88,7 @@ What is exact:
 * The roundings of S, S * scale, P, dP, dx and dS to the input dtype sit where the chunked
   path has them.
 * The backward recomputes the forward's P bit for bit (same Q_q and K_q: the QK^T fprop
-  operands must be quantized reproducibly, see `unsupported_reason`; the forward's m and l;
+  operands must be quantized reproducibly, see `unsupported_reason`; the forward's m and 1 / l;
   and S, which is tile-shape independent, see "Tile configurations").
 * The results do not depend on what autotuning picks (see "Tile configurations").
 * Key tiles that the causal mask hides from every row of a query tile are skipped (not for a
@@ -160,8 +161,8 @@ OperandQuantizer = Callable[[str, str, str, str, torch.Tensor, int], torch.Tenso
 #   tile, each tile's part summed by tl.sum in an order set by the register layout; so it
 #   depends on the forward's key tile width and its layout (tile shape and warps). Likewise
 #   delta (a tl.sum per key tile) in the dQ kernel.
-# * The backward reads m and l from the forward and computes P = exp(x - m) * (1 / l) element by
-#   element: the forward's P bit for bit, whatever the backward's tiles.
+# * The backward reads m and 1 / l from the forward and computes P = exp(x - m) * (1 / l)
+#   element by element: the forward's P bit for bit, whatever the backward's tiles.
 # So the forward and the dQ kernel take one tile shape and warp count per GPU generation and
 # dtype (timed: only their pipeline stages, which move loads, not arithmetic); the dK/dV
 # kernel, which sums nothing but its tl.dot chains, is timed over tile shapes and warps.
@@ -463,13 +464,13 @@ def _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims, la
 
 
 @triton.jit
-def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, l_ptr, p_dbg, pq_dbg, scale,
-                    R, SQ, SK, D, DV,
+def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_dbg,
+                    scale, R, SQ, SK, D, DV,
                     P_FMT: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
                     IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
                     DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Per query tile: out = MX_keys(P) @ V and the rows' softmax statistics m and l."""
+    """Per query tile: out = MX_keys(P) @ V and the rows' softmax statistics m and 1 / l."""
     g = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M_ + tl.arange(0, BLOCK_M_)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -506,7 +507,7 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, l_ptr, p_dbg, pq_dbg, 
     _store(out_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, acc, IS_BF16, INTERPRETED)
     row_ok = rows < R
     tl.store(m_ptr + g * R + rows, m, mask=row_ok)
-    tl.store(l_ptr + g * R + rows, l, mask=row_ok)
+    tl.store(inv_l_ptr + g * R + rows, inv_l, mask=row_ok)
 
 
 @triton.jit
@@ -548,8 +549,8 @@ def _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, row
 
 
 @triton.jit
-def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, l_ptr, delta_ptr,
-                           dq_ptr, ds_dbg, dsq_dbg, scale, R, SQ, SK, D, DV,
+def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, inv_l_ptr,
+                           delta_ptr, dq_ptr, ds_dbg, dsq_dbg, scale, R, SQ, SK, D, DV,
                            DS_FMT: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
                            IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
                            PRECISION: tl.constexpr, DEBUG: tl.constexpr,
@@ -568,7 +569,7 @@ def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, l_ptr, 
     q = _load(q_ptr + g * R * D, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
     do = _load(do_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, IS_BF16, INTERPRETED)
     m = tl.load(m_ptr + g * R + rows, mask=row_ok, other=0.0)
-    inv_l = _reciprocal(tl.load(l_ptr + g * R + rows, mask=row_ok, other=1.0))
+    inv_l = tl.load(inv_l_ptr + g * R + rows, mask=row_ok, other=1.0)
     last_visible = rows % SQ + (SK - SQ)
     full, end = _key_ranges(rows, last_visible, R, SK, BLOCK_N_, CAUSAL, SKIP)
 
@@ -599,9 +600,9 @@ def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, l_ptr, 
 
 
 @triton.jit
-def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, l_ptr, delta_ptr,
-              p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols, last_visible, dims, vdims, scale, R,
-              SK, D, DV,
+def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, inv_l_ptr,
+              delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols, last_visible, dims, vdims,
+              scale, R, SK, D, DV,
               P_FMT: tl.constexpr, DS_FMT: tl.constexpr, MASKED: tl.constexpr,
               IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
               DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
@@ -613,7 +614,7 @@ def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, l_p
     # Rows past R get m = +inf: P, and so dS, is exactly zero there, the padding their row
     # blocks need, without a select per element.
     m = tl.load(m_ptr + rows, mask=row_ok, other=float("inf"))
-    inv_l = _reciprocal(tl.load(l_ptr + rows, mask=row_ok, other=1.0))
+    inv_l = tl.load(inv_l_ptr + rows, mask=row_ok, other=1.0)
     if INTERPRETED:
         s_t = tl.trans(tl.dot(q, k_tile, input_precision=PRECISION))
     else:
@@ -652,7 +653,7 @@ def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, l_p
 
 
 @triton.jit
-def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, l_ptr,
+def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, inv_l_ptr,
                          delta_ptr, dkt_ptr, dv_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, scale,
                          R, SQ, SK, D, DV,
                          P_FMT: tl.constexpr, DS_FMT: tl.constexpr, CAUSAL: tl.constexpr,
@@ -670,7 +671,7 @@ def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, 
     do_ptr += g * R * DV
     dow_ptr += g * R * DV
     m_ptr += g * R
-    l_ptr += g * R
+    inv_l_ptr += g * R
     delta_ptr += g * R
     p_dbg += g * R * SK
     pq_dbg += g * R * SK
@@ -691,13 +692,13 @@ def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, 
         seen_by_all = tl.min(tl.where(rows < R, last_visible, SK), axis=0)
         if CAUSAL and seen_by_all >= first_key + BLOCK_N_ - 1:
             dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
-                               l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
+                               inv_l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
                                last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT,
                                False, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
                                BLOCK_N_)
         elif _tile_needed(last_visible, rows < R, first_key, SKIP):
             dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
-                               l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
+                               inv_l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
                                last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT,
                                CAUSAL, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
                                BLOCK_N_)
@@ -775,7 +776,7 @@ def specialisation(name: str, config: TileConfig, head_dim: int,
     constants.update(slots, CAUSAL=causal, SKIP=causal, DEBUG=False, BLOCK_M_=config.block_m,
                      BLOCK_N_=config.block_n)
     types = {"*_ptr": "*bf16" if dtype == torch.bfloat16 else "*fp32", "m_ptr": "*fp32",
-             "l_ptr": "*fp32", "delta_ptr": "*fp32", "scale": "fp32"}
+             "inv_l_ptr": "*fp32", "delta_ptr": "*fp32", "scale": "fp32"}
     return kernel, constants, types, options
 
 
@@ -805,7 +806,7 @@ def operands(sq: int, **tensors) -> list:
 class ForwardResult(NamedTuple):
     out: torch.Tensor               # [G, R, dv], the input dtype
     row_max: torch.Tensor           # [G, R] float32: max_j x_ij
-    row_sum: torch.Tensor           # [G, R] float32: sum_j exp(x_ij - max)
+    inv_row_sum: torch.Tensor       # [G, R] float32: 1 / sum_j exp(x_ij - max)
     debug: Dict[str, torch.Tensor]  # debug=True: "probs" (P), "probs_q" (quantized along keys)
 
 
@@ -836,28 +837,28 @@ def attention_forward(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor,
     sk, dv = k_t.size(2), v.size(2)
     out = torch.empty(g, rows, dv, dtype=q.dtype, device=q.device)
     row_max = torch.empty(g, rows, dtype=torch.float32, device=q.device)
-    row_sum = torch.empty_like(row_max)
+    inv_row_sum = torch.empty_like(row_max)
     dbg = _debug_tensors(("probs", "probs_q"), q, rows, sk, debug)
     _launch(_forward_kernel, "forward", lambda block_m, _: (triton.cdiv(rows, block_m), g),
-            [q, k_t, v, out, row_max, row_sum, dbg["probs"], dbg["probs_q"],
+            [q, k_t, v, out, row_max, inv_row_sum, dbg["probs"], dbg["probs_q"],
              float(softmax_scale), rows, sq, sk, d, dv],
             dict(P_FMT=_slot_constants(formats.probs, formats.pv_scale_mode),
                  CAUSAL=bool(causal), SKIP=bool(causal and skip_masked_tiles), DEBUG=debug,
                  **_launch_options(q.dtype, d, dv)))
-    return ForwardResult(out, row_max, row_sum, dbg if debug else {})
+    return ForwardResult(out, row_max, inv_row_sum, dbg if debug else {})
 
 
 def attention_backward(grad_out_dgrad: torch.Tensor, grad_out_wgrad: torch.Tensor,
                        q: torch.Tensor, q_wgrad: torch.Tensor, k_t: torch.Tensor,
                        k_t_dgrad: torch.Tensor, v_dgrad: torch.Tensor, row_max: torch.Tensor,
-                       row_sum: torch.Tensor, formats: TileFormats, softmax_scale: float,
+                       inv_row_sum: torch.Tensor, formats: TileFormats, softmax_scale: float,
                        causal: bool, sq: int, skip_masked_tiles: bool = True,
                        debug: bool = False) -> BackwardResult:
     """dQ, dK^T, dV of attention_forward from the output gradient, on operands quantized by
     the caller: grad_out_dgrad (dO for PV's dgrad, along dv), grad_out_wgrad (dO for PV's wgrad,
     along the rows), q and k_t (the forward's QK^T fprop operands, to recompute P), q_wgrad (Q
     for QK^T's wgrad, along the rows), k_t_dgrad (K^T for QK^T's dgrad, along the keys),
-    v_dgrad (V for PV's dgrad, along dv); row_max and row_sum from the forward.
+    v_dgrad (V for PV's dgrad, along dv); row_max and inv_row_sum from the forward.
 
     debug also returns [G, R, sk] tensors: "score_grad" (dS) and "score_grad_q" (along the
     keys) from the dQ kernel; "probs", "score_grad_2" (P and dS as the dK/dV kernel recomputes
@@ -878,12 +879,12 @@ def attention_backward(grad_out_dgrad: torch.Tensor, grad_out_wgrad: torch.Tenso
     dbg = _debug_tensors(("score_grad", "score_grad_q", "probs", "score_grad_2", "probs_rows_q",
                           "score_grad_rows_q"), q, rows, sk, debug)
     _launch(_backward_query_kernel, "query", lambda block_m, _: (triton.cdiv(rows, block_m), g),
-            [q, k_t, k_t_dgrad, v_dgrad, grad_out_dgrad, row_max, row_sum, delta, grad_q,
+            [q, k_t, k_t_dgrad, v_dgrad, grad_out_dgrad, row_max, inv_row_sum, delta, grad_q,
              dbg["score_grad"], dbg["score_grad_q"], scale, rows, sq, sk, d, dv],
             dict(DS_FMT=_slot_constants(formats.score_grad, formats.qk_scale_mode), **common))
     _launch(_backward_key_kernel, "key", lambda _, block_n: (triton.cdiv(sk, block_n), g),
-            [q, q_wgrad, k_t, v_dgrad, grad_out_dgrad, grad_out_wgrad, row_max, row_sum, delta,
-             grad_k_t, grad_v, dbg["probs"], dbg["probs_rows_q"], dbg["score_grad_2"],
+            [q, q_wgrad, k_t, v_dgrad, grad_out_dgrad, grad_out_wgrad, row_max, inv_row_sum,
+             delta, grad_k_t, grad_v, dbg["probs"], dbg["probs_rows_q"], dbg["score_grad_2"],
              dbg["score_grad_rows_q"], scale, rows, sq, sk, d, dv],
             dict(P_FMT=_slot_constants(formats.probs_rows, formats.pv_scale_mode),
                  DS_FMT=_slot_constants(formats.score_grad_rows, formats.qk_scale_mode),
@@ -913,14 +914,14 @@ class TritonQuantizedAttention(torch.autograd.Function):
         v_f = quantize("pv", "fprop", "b", "b", v, 1)
         result = attention_forward(q_f, k_f, v_f, formats, softmax_scale, causal, sq,
                                    skip_masked_tiles)
-        ctx.save_for_backward(q, k_t, v, result.row_max, result.row_sum)
+        ctx.save_for_backward(q, k_t, v, result.row_max, result.inv_row_sum)
         ctx.quantize, ctx.formats = quantize, formats
         ctx.settings = (softmax_scale, causal, sq, skip_masked_tiles)
         return result.out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_t, v, row_max, row_sum = ctx.saved_tensors
+        q, k_t, v, row_max, inv_row_sum = ctx.saved_tensors
         quantize = ctx.quantize
         q_f, k_f = _fprop_scores_operands(quantize, q, k_t)
         grads = attention_backward(
@@ -928,7 +929,7 @@ class TritonQuantizedAttention(torch.autograd.Function):
             quantize("pv", "wgrad", "grad_output", "b", grad_out, 1),
             q_f, quantize("qk", "wgrad", "a", "a", q, 1), k_f,
             quantize("qk", "dgrad", "b", "b", k_t, 2), quantize("pv", "dgrad", "b", "b", v, 2),
-            row_max, row_sum, ctx.formats, *ctx.settings)
+            row_max, inv_row_sum, ctx.formats, *ctx.settings)
         return grads.grad_q, grads.grad_k_t, grads.grad_v, None, None, None, None, None, None
 
 

@@ -185,7 +185,7 @@ def _kernel_forward_on_meta(q, k_t, v, formats, softmax_scale, causal, sq,
 
 
 def _kernel_backward_on_meta(grad_out_dgrad, grad_out_wgrad, q, q_wgrad, k_t, k_t_dgrad,
-                             v_dgrad, row_max, row_sum, formats, softmax_scale, causal, sq,
+                             v_dgrad, row_max, inv_row_sum, formats, softmax_scale, causal, sq,
                              skip_masked_tiles=True, debug=False):
     """kernels.attention.attention_backward's allocations on meta operands: delta (fp32 per
     row), dQ, dK^T and dV (plus any contiguous copy of an operand); no launch."""
