@@ -89,9 +89,14 @@ def _other_kernels(repo, ours):
             del sys.modules[module]
     theirs = importlib.import_module("megatron.quantization.kernels.attention")
     if not hasattr(theirs, "specialisation"):
-        theirs.specialisation = types.FunctionType(
-            specialisation.__code__, vars(theirs), "specialisation",
-            specialisation.__defaults__)
+        rebound = types.FunctionType(specialisation.__code__, vars(theirs), "specialisation",
+                                     specialisation.__defaults__)
+
+        def legacy(*args):
+            kernel, constants, arg_types, options = rebound(*args)
+            return kernel, constants, {**arg_types, "l_ptr": "*fp32"}, options  # row sums
+
+        theirs.specialisation = legacy
     return theirs
 
 
