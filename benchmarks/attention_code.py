@@ -89,7 +89,10 @@ def _other_kernels(repo, ours):
             del sys.modules[module]
     theirs = importlib.import_module("megatron.quantization.kernels.attention")
     if not hasattr(theirs, "specialisation"):
-        rebound = types.FunctionType(specialisation.__code__, vars(theirs), "specialisation",
+        names = dict(vars(theirs))
+        options = theirs._launch_options
+        names["_launch_options"] = lambda dtype, d, dv, scale: options(dtype, d, dv)
+        rebound = types.FunctionType(specialisation.__code__, names, "specialisation",
                                      specialisation.__defaults__)
 
         def legacy(*args):

@@ -76,6 +76,7 @@ CASES = [
     ("sq80", "none", True, "random", "tile"),
     ("tails", "mixed", True, "random", "tile"),
     ("sq64", "mxfp8", True, "wide", "tile"),
+    ("tails", "mxfp8", True, "pow2", "tile"),
     ("gqa4", "mxfp8", True, "random", "tile"),
     ("d80", "mixed", False, "random", "tile"),
     ("d128", "mxfp4", True, "random", "tile"),
@@ -130,8 +131,9 @@ def _inputs(shape, kind, dtype, seed):
     else:
         q, k_t, v, grad = (torch.randint(-15, 16, s, generator=g).float() for s in sizes)
         # "wide": scores over hundreds of units, so P spans every binade down to fp32
-        # subnormals and zeros.
-        scale = 0.0123 if kind == "exact" else 0.37
+        # subnormals and zeros. "pow2": a power-of-two scale, which bf16 launches round once
+        # after (kernels._scaled_once).
+        scale = {"exact": 0.0123, "wide": 0.37, "pow2": 2.0 ** -6}[kind]
     q[:, 5] = 0.0            # a row of equal scores: P spread over the keys it sees
     grad[:, 7] = 0.0         # a row of zero dS
     grad[1, 64:96] *= 2.0 ** -100   # tiny dO rows: tiny dS blocks, fp32 subnormals among them
@@ -395,7 +397,8 @@ def broken_case():
     globals().update(tl=tl, kernels=kernels)
 
     @triton.jit
-    def scores_unrounded(s, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    def scores_unrounded(s, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                         POW2_SCALE: tl.constexpr):
         return kernels._round_to_dtype(s * scale, IS_BF16, INTERPRETED)
 
     original = kernels._scaled_scores
@@ -541,14 +544,14 @@ def test_the_probabilities_are_the_chunked_paths(results):
     """The unquantized P and dS the two paths quantize agree to the last bits: float32 P within
     4 ulps of its largest value (exp and the softmax sum's order), dS within 2**-18 of its
     largest (delta's order too); bf16 within one ulp, and P with exact scores in all but a
-    few elements."""
+    few elements (also where the kernels round S * scale once, a power-of-two scale)."""
     for name, r in _cases(results).items():
         dtype = name.split()[-1]
         assert r["P vs chunked"]["max"] <= (2.0 ** -21 if dtype == "float32" else 2.0 ** -8), \
             (name, r["P vs chunked"])
         assert r["dS vs chunked"]["max"] <= (2.0 ** -18 if dtype == "float32" else 2.0 ** -7), \
             (name, r["dS vs chunked"])
-        if " exact " in name and dtype == "bfloat16":
+        if (" exact " in name or " pow2 " in name) and dtype == "bfloat16":
             assert r["P bits differ"] <= 4, (name, r["P bits differ"])
 
 

@@ -86,7 +86,9 @@ What is exact:
   GPU's conversion instruction; under the interpreter, whose conversion truncates, on the
   bits).
 * The roundings of S, S * scale, P, dP, dx and dS to the input dtype sit where the chunked
-  path has them.
+  path has them. With bf16 and a power-of-two softmax scale (head dim 64, 256) S * scale and
+  dS are rounded once, after the scaling: the same numbers wherever they are at least 2**-126
+  (bf16's normal range, where rounding commutes with a power-of-two scaling).
 * The backward recomputes the forward's P bit for bit (same Q_q and K_q: the QK^T fprop
   operands must be quantized reproducibly, see `unsupported_reason`; the forward's m and 1 / l;
   and S, which is tile-shape independent, see "Tile configurations").
@@ -119,6 +121,7 @@ contraction, so no rounding step above is fused away.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -324,10 +327,27 @@ def _mx_along_last(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr)
 
 
 @triton.jit
-def _scaled_scores(s, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """x = float(dtype(dtype(S) * scale)) from the fp32 products S."""
-    return _round_to_dtype(_round_to_dtype(s, IS_BF16, INTERPRETED) * scale, IS_BF16,
-                           INTERPRETED)
+def _scaled_scores(s, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                   POW2_SCALE: tl.constexpr):
+    """x = float(dtype(dtype(S) * scale)) from the fp32 products S; see _scaled_once."""
+    return _scaled_once(s, scale, IS_BF16, INTERPRETED, POW2_SCALE)
+
+
+@triton.jit
+def _scaled_once(t, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                 POW2_SCALE: tl.constexpr):
+    """dtype(dtype(t) * scale) in float32. With a power-of-two scale (POW2_SCALE) one rounding,
+    dtype(t * scale): the same number wherever |t * scale| >= 2**-126 (bf16's normal range,
+    the same as float32's, in which rounding commutes with scaling by a power of two and
+    dtype(t) * scale is a bf16 value) and dtype(t) is finite; below, where bf16 is subnormal,
+    the two roundings may differ in the last bit of a number under 2**-126. One conversion
+    less per score."""
+    if POW2_SCALE:
+        t = _round_to_dtype(t * scale, IS_BF16, INTERPRETED)
+    else:
+        t = _round_to_dtype(_round_to_dtype(t, IS_BF16, INTERPRETED) * scale, IS_BF16,
+                            INTERPRETED)
+    return t
 
 
 @triton.jit
@@ -353,11 +373,11 @@ def _probs32(x, m, inv_l):
 
 
 @triton.jit
-def _score_grad(dx, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+def _score_grad(dx, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                POW2_SCALE: tl.constexpr):
     """dS from the softmax backward's fp32 dx (zero where hidden): the backward of the
-    .float() cast (round to the dtype) and of * scale (round again)."""
-    return _round_to_dtype(_round_to_dtype(dx, IS_BF16, INTERPRETED) * scale, IS_BF16,
-                           INTERPRETED)
+    .float() cast (round to the dtype) and of * scale (round again); see _scaled_once."""
+    return _scaled_once(dx, scale, IS_BF16, INTERPRETED, POW2_SCALE)
 
 
 @triton.jit
@@ -383,13 +403,14 @@ def _key_ranges(rows, last_visible, R, SK, BLOCK_N_: tl.constexpr, CAUSAL: tl.co
 @triton.jit
 def _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED: tl.constexpr,
                      CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
+                     POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
     """(cols, x): the keys n0 .. n0 + BLOCK_N_ - 1 and x [rows, keys] of the query tile q with
     that key tile of K^T (see _scaled_scores); MASKED: -10000 where the causal mask hides the
     key, -inf past the last key (outside the softmax)."""
     cols = n0 + tl.arange(0, BLOCK_N_)
     kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
-    x = _scaled_scores(tl.dot(q, kt, input_precision=PRECISION), scale, IS_BF16, INTERPRETED)
+    x = _scaled_scores(tl.dot(q, kt, input_precision=PRECISION), scale, IS_BF16, INTERPRETED,
+                       POW2_SCALE)
     if MASKED:
         if CAUSAL:
             x = tl.where(cols[None, :] > last_visible[:, None], MASK_FILL, x)
@@ -433,26 +454,26 @@ def _tile_needed(last_visible, row_ok, first_key, LIMIT: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
-                INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
+def _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED: tl.constexpr,
+                CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
     """The forward's pass 1 over one key tile: m and l updated (online)."""
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
-                               IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+                               IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
     m_new = tl.maximum(m, tl.max(x, axis=1))
     l = l * _exp(m - m_new) + tl.sum(_exp(x - m_new[:, None]), axis=1)
     return m_new, l
 
 
 @triton.jit
-def _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims, last_visible,
-                 m, inv_l, scale, R, SK, D, DV, P_FMT: tl.constexpr, MASKED: tl.constexpr,
+def _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims, last_visible, m,
+                 inv_l, scale, R, SK, D, DV, P_FMT: tl.constexpr, MASKED: tl.constexpr,
                  CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                 PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
-                 BLOCK_N_: tl.constexpr):
+                 POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
+                 BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
     """The forward's pass 2 over one key tile: acc += MX_keys(P) @ V."""
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
-                               IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+                               IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
     p = _round_to_dtype(_probs32(x, m[:, None], inv_l[:, None]), IS_BF16, INTERPRETED)
     pq = _mx_along_last(p, BLOCK_M_, BLOCK_N_, P_FMT)
     v = _load(v_ptr, cols, vdims, DV, 1, SK, DV, IS_BF16, INTERPRETED)
@@ -464,12 +485,11 @@ def _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims, la
 
 
 @triton.jit
-def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_dbg,
-                    scale, R, SQ, SK, D, DV,
-                    P_FMT: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
-                    IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
-                    DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_dbg, scale, R, SQ,
+                    SK, D, DV, P_FMT: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
+                    IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr,
+                    PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
+                    BLOCK_N_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Per query tile: out = MX_keys(P) @ V and the rows' softmax statistics m and 1 / l."""
     g = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M_ + tl.arange(0, BLOCK_M_)
@@ -487,10 +507,10 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_d
     l = tl.zeros((BLOCK_M_,), tl.float32)
     for n0 in range(0, full, BLOCK_N_):
         m, l = _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, False,
-                           CAUSAL, IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+                           CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
         m, l = _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, True,
-                           CAUSAL, IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+                           CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
 
     # Pass 2: the exact probabilities, rounded and quantized, times V.
     inv_l = _reciprocal(l)
@@ -498,11 +518,11 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_d
     for n0 in range(0, full, BLOCK_N_):
         acc = _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims,
                            last_visible, m, inv_l, scale, R, SK, D, DV, P_FMT, False, CAUSAL,
-                           IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
+                           IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
         acc = _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims,
                            last_visible, m, inv_l, scale, R, SK, D, DV, P_FMT, True, CAUSAL,
-                           IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
+                           IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
 
     _store(out_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, acc, IS_BF16, INTERPRETED)
     row_ok = rows < R
@@ -511,13 +531,13 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_d
 
 
 @triton.jit
-def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, scale, SK, D,
-                DV,
+def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, scale, SK, D, DV,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
-                INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
+                INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_N_: tl.constexpr):
     """One key tile's part of delta = sum_j P32_j * dP_j."""
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
-                               IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+                               IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
     vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
     dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
     return tl.sum(_probs32(x, m[:, None], inv_l[:, None]) * dp, axis=1)
@@ -525,20 +545,19 @@ def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, 
 
 @triton.jit
 def _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims, vdims,
-                     last_visible, m, inv_l, delta, scale, R, SK, D, DV,
-                     DS_FMT: tl.constexpr,
+                     last_visible, m, inv_l, delta, scale, R, SK, D, DV, DS_FMT: tl.constexpr,
                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
-                     INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
-                     BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
+                     INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                     DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
     """One key tile's part of dQ: dq += MX_keys(dS) @ K."""
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
-                               IS_BF16, INTERPRETED, PRECISION, BLOCK_N_)
+                               IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
     vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
     dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
     dx = _probs32(x, m[:, None], inv_l[:, None]) * (dp - delta[:, None])
     if MASKED:
         dx = tl.where(_row_hidden(cols, last_visible, SK, CAUSAL), 0.0, dx)
-    ds = _score_grad(dx, scale, IS_BF16, INTERPRETED)
+    ds = _score_grad(dx, scale, IS_BF16, INTERPRETED, POW2_SCALE)
     dsq = _mx_along_last(ds, BLOCK_M_, BLOCK_N_, DS_FMT)
     k = _load(kd_ptr, cols, dims, 1, SK, SK, D, IS_BF16, INTERPRETED)
     dq = tl.dot(_operand(dsq, IS_BF16, INTERPRETED), k, dq, input_precision=PRECISION)
@@ -549,13 +568,12 @@ def _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, row
 
 
 @triton.jit
-def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, inv_l_ptr,
-                           delta_ptr, dq_ptr, ds_dbg, dsq_dbg, scale, R, SQ, SK, D, DV,
-                           DS_FMT: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
-                           IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                           PRECISION: tl.constexpr, DEBUG: tl.constexpr,
-                           BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, inv_l_ptr, delta_ptr,
+                           dq_ptr, ds_dbg, dsq_dbg, scale, R, SQ, SK, D, DV, DS_FMT: tl.constexpr,
+                           CAUSAL: tl.constexpr, SKIP: tl.constexpr, IS_BF16: tl.constexpr,
+                           INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr,
+                           PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
+                           BLOCK_N_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Per query tile: delta over all keys, then dQ = MX_keys(dS) @ K."""
     g = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M_ + tl.arange(0, BLOCK_M_)
@@ -575,37 +593,37 @@ def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, inv_l_p
 
     delta = tl.zeros((BLOCK_M_,), tl.float32)
     for n0 in range(0, full, BLOCK_N_):
-        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l,
-                             scale, SK, D, DV, False, CAUSAL, IS_BF16, INTERPRETED, PRECISION,
+        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, scale,
+                             SK, D, DV, False, CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION,
                              BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
-        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l,
-                             scale, SK, D, DV, True, CAUSAL, IS_BF16, INTERPRETED, PRECISION,
+        delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, scale,
+                             SK, D, DV, True, CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION,
                              BLOCK_N_)
 
     dq = tl.zeros((BLOCK_M_, BLOCK_D), tl.float32)
     for n0 in range(0, full, BLOCK_N_):
         dq = _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims,
                               vdims, last_visible, m, inv_l, delta, scale, R, SK, D, DV, DS_FMT,
-                              False, CAUSAL, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
-                              BLOCK_N_)
+                              False, CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG,
+                              BLOCK_M_, BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
         dq = _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims,
                               vdims, last_visible, m, inv_l, delta, scale, R, SK, D, DV, DS_FMT,
-                              True, CAUSAL, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
-                              BLOCK_N_)
+                              True, CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG,
+                              BLOCK_M_, BLOCK_N_)
 
     _store(dq_ptr + g * R * D, rows, dims, D, 1, R, D, dq, IS_BF16, INTERPRETED)
     tl.store(delta_ptr + g * R + rows, delta, mask=row_ok)
 
 
 @triton.jit
-def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, inv_l_ptr,
-              delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols, last_visible, dims, vdims,
-              scale, R, SK, D, DV,
-              P_FMT: tl.constexpr, DS_FMT: tl.constexpr, MASKED: tl.constexpr,
-              IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
-              DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
+def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, inv_l_ptr, delta_ptr,
+              p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols, last_visible, dims, vdims, scale, R, SK,
+              D, DV, P_FMT: tl.constexpr, DS_FMT: tl.constexpr, MASKED: tl.constexpr,
+              IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr,
+              PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
+              BLOCK_N_: tl.constexpr):
     """One query tile's part of dV = MX_rows(P)^T @ dO and dK = MX_rows(dS)^T @ Q, with the
     tiles as [keys, rows] (k_tile, v_tile: K and V as [keys, d] on a GPU, K^T and V^T as
     [d, keys] under the interpreter). MASKED: the causal mask hides some key from some row."""
@@ -619,7 +637,7 @@ def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, inv
         s_t = tl.trans(tl.dot(q, k_tile, input_precision=PRECISION))
     else:
         s_t = tl.dot(k_tile, tl.trans(q), input_precision=PRECISION)
-    x_t = _scaled_scores(s_t, scale, IS_BF16, INTERPRETED)
+    x_t = _scaled_scores(s_t, scale, IS_BF16, INTERPRETED, POW2_SCALE)
     if MASKED:
         hidden_t = cols[:, None] > last_visible[None, :]
         x_t = tl.where(hidden_t, MASK_FILL, x_t)
@@ -640,7 +658,7 @@ def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, inv
     dx_t = p32_t * (_round_to_dtype(dp_t, IS_BF16, INTERPRETED) - delta[None, :])
     if MASKED:
         dx_t = tl.where(hidden_t, 0.0, dx_t)
-    ds_t = _score_grad(dx_t, scale, IS_BF16, INTERPRETED)
+    ds_t = _score_grad(dx_t, scale, IS_BF16, INTERPRETED, POW2_SCALE)
     dsq_t = _mx_along_last(ds_t, BLOCK_N_, BLOCK_M_, DS_FMT)
     qw = _load(qw_ptr, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
     dk = tl.dot(_operand(dsq_t, IS_BF16, INTERPRETED), qw, dk, input_precision=PRECISION)
@@ -654,13 +672,12 @@ def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, inv
 
 @triton.jit
 def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, inv_l_ptr,
-                         delta_ptr, dkt_ptr, dv_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, scale,
-                         R, SQ, SK, D, DV,
-                         P_FMT: tl.constexpr, DS_FMT: tl.constexpr, CAUSAL: tl.constexpr,
+                         delta_ptr, dkt_ptr, dv_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, scale, R, SQ,
+                         SK, D, DV, P_FMT: tl.constexpr, DS_FMT: tl.constexpr, CAUSAL: tl.constexpr,
                          SKIP: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                         PRECISION: tl.constexpr, DEBUG: tl.constexpr,
-                         BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                         POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
+                         BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_DV: tl.constexpr):
     """Per key tile: dV = MX_rows(P)^T @ dO_q and dK = MX_rows(dS)^T @ Q_q over all rows."""
     g = tl.program_id(1).to(tl.int64)
     first_key = tl.program_id(0) * BLOCK_N_
@@ -694,13 +711,13 @@ def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, 
             dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
                                inv_l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
                                last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT,
-                               False, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
+                               False, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_,
                                BLOCK_N_)
         elif _tile_needed(last_visible, rows < R, first_key, SKIP):
             dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
                                inv_l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
                                last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT,
-                               CAUSAL, IS_BF16, INTERPRETED, PRECISION, DEBUG, BLOCK_M_,
+                               CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_,
                                BLOCK_N_)
 
     # dK^T [D, SK] is the transpose of the dK tile [keys, D].
@@ -749,11 +766,13 @@ def _slot_constants(fmt: str, scale_mode: str) -> tuple:
     return (True, c["EMAX"], c["EMIN"], c["MBITS"], c["TOP_SIG"], c["BUMP_ABOVE"])
 
 
-def _launch_options(dtype: torch.dtype, head_dim: int, value_dim: int) -> dict:
+def _launch_options(dtype: torch.dtype, head_dim: int, value_dim: int, scale: float) -> dict:
     """The constexprs and compile options every launch takes (the tile comes from the
-    configuration)."""
+    configuration). POW2_SCALE: bf16 with a power-of-two softmax scale (d = 64: 1/8), whose
+    scores are rounded once after scaling (_scaled_once)."""
     interpreted = interpreter_enabled()
     return dict(IS_BF16=dtype == torch.bfloat16, INTERPRETED=interpreted,
+                POW2_SCALE=dtype == torch.bfloat16 and scale > 0 and math.frexp(scale)[0] == 0.5,
                 PRECISION=None if dtype == torch.bfloat16 and not interpreted else "ieee",
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), enable_fp_fusion=False)
@@ -763,14 +782,15 @@ def specialisation(name: str, config: TileConfig, head_dim: int,
                    dtype: torch.dtype = torch.bfloat16, causal: bool = True,
                    fmt: Tuple[str, str] = ("mxfp8_e4m3", "rceil")) -> tuple:
     """(kernel, constexprs, argument types, compile options) of a launch of the kernel `name`
-    ("forward", "query" or "key") with tile configuration `config`, d = dv = head_dim and
-    every tile slot in MX format `fmt` (format, scale rule), as training launches it: what
+    ("forward", "query" or "key") with tile configuration `config`, d = dv = head_dim, the
+    softmax scale 1/sqrt(head_dim) and every tile slot in MX format `fmt` (format, scale
+    rule), as training launches it: what
     kernels/offline.py compiles for a GPU that is not here."""
     slot = _slot_constants(*fmt)
     kernel, slots = {"forward": (_forward_kernel, {"P_FMT": slot}),
                      "query": (_backward_query_kernel, {"DS_FMT": slot}),
                      "key": (_backward_key_kernel, {"P_FMT": slot, "DS_FMT": slot})}[name]
-    constants = _launch_options(dtype, head_dim, head_dim)
+    constants = _launch_options(dtype, head_dim, head_dim, head_dim ** -0.5)
     options = dict(num_warps=config.warps, num_stages=config.stages,
                    enable_fp_fusion=constants.pop("enable_fp_fusion"))
     constants.update(slots, CAUSAL=causal, SKIP=causal, DEBUG=False, BLOCK_M_=config.block_m,
@@ -844,7 +864,7 @@ def attention_forward(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor,
              float(softmax_scale), rows, sq, sk, d, dv],
             dict(P_FMT=_slot_constants(formats.probs, formats.pv_scale_mode),
                  CAUSAL=bool(causal), SKIP=bool(causal and skip_masked_tiles), DEBUG=debug,
-                 **_launch_options(q.dtype, d, dv)))
+                 **_launch_options(q.dtype, d, dv, float(softmax_scale))))
     return ForwardResult(out, row_max, inv_row_sum, dbg if debug else {})
 
 
@@ -869,9 +889,9 @@ def attention_backward(grad_out_dgrad: torch.Tensor, grad_out_wgrad: torch.Tenso
         grad_out_dgrad=grad_out_dgrad, grad_out_wgrad=grad_out_wgrad)
     g, rows, d = q.shape
     sk, dv = k_t.size(2), v_dgrad.size(2)
-    common = dict(CAUSAL=bool(causal), SKIP=bool(causal and skip_masked_tiles), DEBUG=debug,
-                  **_launch_options(q.dtype, d, dv))
     scale = float(softmax_scale)
+    common = dict(CAUSAL=bool(causal), SKIP=bool(causal and skip_masked_tiles), DEBUG=debug,
+                  **_launch_options(q.dtype, d, dv, scale))
     delta = torch.empty(g, rows, dtype=torch.float32, device=q.device)
     grad_q = torch.empty_like(q)
     grad_k_t = torch.empty_like(k_t)
