@@ -61,11 +61,11 @@ Kernels, and what each (query tile, key tile) pair costs them:
   tiles are [keys, rows] (S^T = K Q^T, dP^T = V dO^T), so that the quantizations along the
   rows run along the tiles' last axis like the others (see _mx_along_last).
 That is 12 tile GEMMs where FlashAttention-2 runs 7; the kernels' time goes to the
-elementwise work per score, not to the GEMMs: on sm_90 about 13 instructions per score for
-the forward's pass 1, 31 for its pass 2, 18 and 39 for the dQ kernel's two passes and 66 for
-the dK/dV kernel (unmasked tiles, d = 64). An MX quantization of a tile is some 16 of them
-(float arithmetic, bits.nearest_on_grid), exp one ex2, the softmax's division one
-multiplication by the row's 1 / l. The backward
+elementwise work per score, not to the GEMMs: on sm_90 about 11 instructions per score for
+the forward's pass 1, 28 for its pass 2, 16 and 35 for the dQ kernel's two passes and 53-58
+for the dK/dV kernel (unmasked tiles, bf16, d = 64; benchmarks/attention_code.py). An MX
+quantization of a tile is some 12-16 of them (float arithmetic, bits.nearest_on_grid), exp
+one ex2, the softmax's division one multiplication by the row's 1 / l. The backward
 stays two deterministic kernels: one pass over the key tiles could add every key tile's part
 of dQ with fp32 atomics, but their order varies from run to run and training must be
 reproducible bit for bit (a resumed run equals the uninterrupted one); and the dQ pass must
@@ -73,7 +73,7 @@ know delta over all keys before its first dS anyway.
 Causal masking: the forward and the dQ kernel first run over the key tiles that every row of
 the query tile sees in full (no mask, no selects), then over the diagonal ones (and a key
 tile past sk). The dK/dV kernel masks only the query tiles holding a row that does not see
-every key of its key tile (some 15 of its ~80 instructions per score).
+every key of its key tile (some 16 of its ~70 instructions per score).
 Operands are loaded in their dtype and fed to tl.dot as they are (pipelined into shared
 memory on a GPU), and the roundings to bf16 are the GPU's conversion instruction; the bit
 arithmetic is left to the MX quantizations, which need it.
@@ -208,8 +208,8 @@ ROW_TILES = MappingProxyType({
 ROW_STAGES = MappingProxyType({torch.bfloat16: (2, 3), torch.float32: (1,)})
 # (rows, keys, warps) the dK/dV kernel is timed over, by dtype and head dim (up to 64 or
 # 128): its tiles are [keys, rows], 128 keys for 8 warps (each warp 16 whole keys), and it
-# holds dK and dV besides, so fewer rows: 64-71 instructions per score (78-86 on masked tiles),
-# 165-247 registers, no spill (4 warps leave room for two blocks per SM, 8 warps for one; at
+# holds dK and dV besides, so fewer rows: 53-63 instructions per score (70-80 on masked tiles),
+# 148-245 registers, no spill (4 warps leave room for two blocks per SM, 8 warps for one; at
 # d = 128 the 4-warp tile spills, so it is no candidate there).
 # Its loads sit in a conditional (the skipped tiles) and are not pipelined: one stage.
 KEY_TILES = MappingProxyType({
