@@ -245,7 +245,8 @@ def _autotuned(kernel, name: str, formats: Tuple[str, ...]):
         return [c for c in configs if TileConfig.of(c) in wanted]
 
     return triton.autotune([c.triton() for c in every],
-                           key=["D", "DV", "CAUSAL", "SKIP", "IS_BF16", "DEBUG", *formats],
+                           key=["D", "DV", "CAUSAL", "SKIP", "IS_BF16", "POW2_SCALE", "DEBUG",
+                                *formats],
                            prune_configs_by={"early_config_prune": prune})(kernel)
 
 
