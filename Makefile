@@ -79,7 +79,7 @@ bench: install
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/glue.py
 	$(PY) benchmarks/hadamard.py
-	$(PY) benchmarks/attention_code.py
+	$(PY) benchmarks/kernel_code.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/capture.py
 	$(PY) benchmarks/analysis.py

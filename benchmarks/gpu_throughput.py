@@ -75,7 +75,7 @@ CLASSES = ("gemm", "attention", "quantization", "other")
 # Kernel (CUDA) or op (CPU) names, lower case, by class; the first class that matches wins.
 _ATTENTION = re.compile(r"flash|fmha|sdpa|scaled_dot_product|attention|"
                         r"^_(forward|backward_key|backward_query)_kernel$")
-_QUANTIZATION = re.compile(r"qdq|amax|^_fp8")
+_QUANTIZATION = re.compile(r"qdq|amax|^fp8_(tensor|block)_kernel$")
 _GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|matmul|^aten::(mm|addmm|bmm|baddbmm|"
                    r"_scaled_mm|linear)$")
 

@@ -42,9 +42,9 @@ def test_a_gpu_launch_goes_through_the_autotuner_with_a_grid_per_configuration(m
 
 
 def test_the_autotuner_tries_every_size_with_every_warp_count(monkeypatch):
-    from megatron.quantization.kernels.mx import _mx_qdq_kernel
-    tuned = tuning._autotuned(_mx_qdq_kernel, "GROUP_", (64, 32), ("n_blocks", "LAYOUT"))
-    assert tuned is tuning._autotuned(_mx_qdq_kernel, "GROUP_", (64, 32), ("n_blocks", "LAYOUT"))
+    from megatron.quantization.kernels.mx import mx_qdq_kernel
+    tuned = tuning._autotuned(mx_qdq_kernel, "GROUP_", (64, 32), ("n_blocks", "LAYOUT"))
+    assert tuned is tuning._autotuned(mx_qdq_kernel, "GROUP_", (64, 32), ("n_blocks", "LAYOUT"))
     assert sorted((c.kwargs["GROUP_"], c.num_warps) for c in tuned.configs) == [
         (32, 4), (32, 8), (64, 4), (64, 8)]
     assert list(tuned.keys) == ["n_blocks", "LAYOUT"]

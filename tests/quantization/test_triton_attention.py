@@ -577,7 +577,7 @@ def test_the_kernels_compile_for_an_h100(compiled):
     so that S, and P, are the same whatever tiles each kernel takes; the interpreter runs
     Python and checks none of this). No instruction but exp's ex2 flushes subnormals to zero:
     the MX roundings in the tiles are float arithmetic that must keep them. No configuration
-    spills registers, and the loops are those benchmarks/attention_code.py labels."""
+    spills registers, and the loops are those benchmarks/kernel_code.py labels."""
     returncode, stdout, stderr = compiled()
     assert returncode == 0, stderr[-4000:]
     report = json.loads(stdout.strip().splitlines()[-1])
@@ -587,7 +587,7 @@ def test_the_kernels_compile_for_an_h100(compiled):
         assert 0 < c["shared"] <= H100_SHARED_BYTES and c["wgmma"] > 0 and not c["mma.sync"], \
             (name, c)
         assert not c["ftz"], (name, c["ftz"][:3])
-        # as benchmarks/attention_code.py reads them: the forward's and the dQ kernel's two
+        # as benchmarks/kernel_code.py reads them: the forward's and the dQ kernel's two
         # passes over unmasked and masked key tiles, the dK/dV kernel's one loop over the
         # query tiles
         assert c["loops"] == (1 if name.startswith("key") else 4), (name, c["loops"])

@@ -315,42 +315,12 @@ def vector_access() -> dict:
     import re
     from collections import Counter
 
-    from megatron.quantization.kernels import amax, fp8, hifp8, mx, nvfp4
-    from megatron.quantization.kernels.bits import COLUMNS, FLAT, ROWS, element_constants
-    from megatron.quantization.kernels.offline import compile_for
-    scalars = ("noise_ptr", "signs_ptr", "out_ptr", "amax_ptr", "imposed_ptr")
-
-    def access(kernel, constants, dtype):
-        types = {"*_ptr": dtype, "scaled_max": "fp32", **dict.fromkeys(scalars, "*fp32")}
-        ptx = compile_for(kernel, constants, types, {"enable_fp_fusion": False}).asm["ptx"]
-        return dict(Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx)),
-                    ftz=len(re.findall(r"\.ftz\b", ptx)))
-
-    mx_fmt = mx.format_constants("mxfp8_e4m3", "floor")
-    fp8_fmt = element_constants("fp8_e4m3")
+    from megatron.quantization.kernels import offline
     out = {}
-    for dname, bf16 in (("float32", False), ("bfloat16", True)):
-        dtype = "*bf16" if bf16 else "*fp32"
-        for lname, layout in (("flat", FLAT), ("columns", COLUMNS)):
-            out[f"mx {lname} {dname}"] = access(mx._mx_qdq_kernel, dict(
-                STOCHASTIC=False, IS_BF16=bf16, RHT=0, INV_SQRT=1.0, WIDTH=32, LAYOUT=layout,
-                GROUP_=64, **mx_fmt), dtype)
-            out[f"nvfp4 rht16 {lname} {dname}"] = access(nvfp4._nvfp4_qdq_kernel, dict(
-                IMPOSED=False, TILE_2D=False, STOCHASTIC=False, IS_BF16=bf16, RHT=16,
-                INV_SQRT=0.25, WIDTH=16, LAYOUT=layout, GROUP_=128), dtype)
-            out[f"fp8 1x128 {lname} {dname}"] = access(fp8._fp8_block_kernel, dict(
-                VALUE_FOR_INF=3.0e38, TILE_2D=False, POW2=False, STOCHASTIC=False,
-                IS_BF16=bf16, LAYOUT=layout, GROUP_=16, **fp8_fmt), dtype)
-        out[f"nvfp4 16x16 {dname}"] = access(nvfp4._nvfp4_qdq_kernel, dict(
-            IMPOSED=False, TILE_2D=True, STOCHASTIC=False, IS_BF16=bf16, RHT=0, INV_SQRT=1.0,
-            WIDTH=256, LAYOUT=ROWS, GROUP_=8), dtype)
-        out[f"fp8 tensor {dname}"] = access(fp8._fp8_tensor_kernel, dict(
-            DELAYED=False, POW2=False, STOCHASTIC=False, IS_BF16=bf16, BLOCK_=2048,
-            **fp8_fmt), dtype)
-        out[f"hifp8 {dname}"] = access(hifp8._hifp8_qdq_kernel, dict(
-            SATURATE=False, IS_BF16=bf16, BLOCK_=2048), dtype)
-        out[f"amax {dname}"] = access(amax._amax_kernel, dict(IS_BF16=bf16, BLOCK_=4096),
-                                      dtype)
+    for name, (*launch, _) in offline.qdq_launches().items():
+        ptx = offline.compile_for(*launch).asm["ptx"]
+        out[name] = dict(Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx)),
+                         ftz=len(re.findall(r"\.ftz\b", ptx)))
     return out
 
 

@@ -24,7 +24,7 @@ BLOCK = 4096
 
 
 @triton.jit
-def _amax_kernel(x_ptr, out_ptr, numel, IS_BF16: tl.constexpr, BLOCK_: tl.constexpr):
+def amax_kernel(x_ptr, out_ptr, numel, IS_BF16: tl.constexpr, BLOCK_: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < numel
     mag = load_bits(x_ptr, offs, mask, IS_BF16) & 0x7FFFFFFF
@@ -64,6 +64,6 @@ def tensor_amax(x: torch.Tensor, axis: Optional[int] = None, signs=None, RHT: in
             x, out, signs, *args, IS_BF16=is_bf16, RHT=RHT, INV_SQRT=INV_SQRT, LAYOUT=layout,
             GROUP_=group, enable_fp_fusion=False)
     else:
-        _amax_kernel[(triton.cdiv(x.numel(), BLOCK),)](
+        amax_kernel[(triton.cdiv(x.numel(), BLOCK),)](
             x, out, x.numel(), IS_BF16=is_bf16, BLOCK_=BLOCK)
     return out

@@ -63,7 +63,7 @@ Kernels, and what each (query tile, key tile) pair costs them:
 That is 12 tile GEMMs where FlashAttention-2 runs 7; the kernels' time goes to the
 elementwise work per score, not to the GEMMs: on sm_90 about 11 instructions per score for
 the forward's pass 1, 28 for its pass 2, 16 and 35 for the dQ kernel's two passes and 53-58
-for the dK/dV kernel (unmasked tiles, bf16, d = 64; benchmarks/attention_code.py). An MX
+for the dK/dV kernel (unmasked tiles, bf16, d = 64; benchmarks/kernel_code.py). An MX
 quantization of a tile is some 12-16 of them (float arithmetic, bits.nearest_on_grid), exp
 one ex2, the softmax's division one multiplication by the row's 1 / l. The backward
 stays two deterministic kernels: one pass over the key tiles could add every key tile's part

@@ -68,10 +68,10 @@ def _round_scaled(u, scale, scale_inv, noise, EMAX: tl.constexpr, EMIN: tl.const
 
 
 @triton.jit
-def _fp8_tensor_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, numel, scaled_max,
-                       DELAYED: tl.constexpr, POW2: tl.constexpr, EMAX: tl.constexpr,
-                       EMIN: tl.constexpr, MBITS: tl.constexpr, TOP_SIG: tl.constexpr,
-                       STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_: tl.constexpr):
+def fp8_tensor_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, numel, scaled_max,
+                      DELAYED: tl.constexpr, POW2: tl.constexpr, EMAX: tl.constexpr,
+                      EMIN: tl.constexpr, MBITS: tl.constexpr, TOP_SIG: tl.constexpr,
+                      STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < numel
     u = load_bits(x_ptr, offs, mask, IS_BF16)
@@ -87,11 +87,11 @@ def _fp8_tensor_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, numel, scaled_max,
 
 
 @triton.jit
-def _fp8_block_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_row,
-                      scaled_max, VALUE_FOR_INF: tl.constexpr, TILE_2D: tl.constexpr,
-                      POW2: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr,
-                      MBITS: tl.constexpr, TOP_SIG: tl.constexpr, STOCHASTIC: tl.constexpr,
-                      IS_BF16: tl.constexpr, LAYOUT: tl.constexpr, GROUP_: tl.constexpr):
+def fp8_block_kernel(x_ptr, noise_ptr, y_ptr, n_blocks, length, inner, blocks_per_row,
+                     scaled_max, VALUE_FOR_INF: tl.constexpr, TILE_2D: tl.constexpr,
+                     POW2: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr,
+                     MBITS: tl.constexpr, TOP_SIG: tl.constexpr, STOCHASTIC: tl.constexpr,
+                     IS_BF16: tl.constexpr, LAYOUT: tl.constexpr, GROUP_: tl.constexpr):
     if TILE_2D:     # n_blocks tiles of [length rows, inner columns]; LAYOUT unused
         offs, mask = tile_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, 128)
         u = load_bits(x_ptr, offs, mask, IS_BF16)
@@ -133,7 +133,7 @@ def fp8_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scaling: str,
     top = scaled_max(info.max_normal, margin)
     if scaling == "tensor":
         amax_arg = tensor_amax(x) if amax is None else amax
-        launch(_fp8_tensor_kernel, "BLOCK_", ELEMENTS_PER_PROGRAM,
+        launch(fp8_tensor_kernel, "BLOCK_", ELEMENTS_PER_PROGRAM,
                lambda block: triton.cdiv(x.numel(), block),
                (x, noise_arg, y, amax_arg, x.numel(), top), key=("numel", "STOCHASTIC"),
                DELAYED=amax is not None, **common)
@@ -141,7 +141,7 @@ def fp8_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scaling: str,
     tiles = tuple(block) == (FP8_TILE, FP8_TILE)
     args, layout, groups, programs = (tile_launch(x.shape, FP8_TILE) if tiles else
                                       axis_launch(x.shape, axis, FP8_TILE))
-    launch(_fp8_block_kernel, "GROUP_", groups, programs, (x, noise_arg, y, *args, top),
+    launch(fp8_block_kernel, "GROUP_", groups, programs, (x, noise_arg, y, *args, top),
            key=("n_blocks", "inner", "LAYOUT", "STOCHASTIC", "TILE_2D"),
            VALUE_FOR_INF=block_value_for_inf(x.dtype), TILE_2D=tiles, LAYOUT=layout,
            **common)

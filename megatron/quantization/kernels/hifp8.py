@@ -22,8 +22,8 @@ from megatron.quantization.kernels.tuning import ELEMENTS_PER_PROGRAM, launch
 
 
 @triton.jit
-def _hifp8_qdq_kernel(x_ptr, y_ptr, numel, SATURATE: tl.constexpr, IS_BF16: tl.constexpr,
-                      BLOCK_: tl.constexpr):
+def hifp8_qdq_kernel(x_ptr, y_ptr, numel, SATURATE: tl.constexpr, IS_BF16: tl.constexpr,
+                     BLOCK_: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < numel
     u = load_bits(x_ptr, offs, mask, IS_BF16)
@@ -57,7 +57,7 @@ def hifp8_fake_quantize_triton(x: torch.Tensor, saturate: bool) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    launch(_hifp8_qdq_kernel, "BLOCK_", ELEMENTS_PER_PROGRAM,
+    launch(hifp8_qdq_kernel, "BLOCK_", ELEMENTS_PER_PROGRAM,
            lambda block: triton.cdiv(x.numel(), block), (x, y, x.numel()), key=("numel",),
            SATURATE=bool(saturate), IS_BF16=x.dtype == torch.bfloat16, enable_fp_fusion=False)
     return y

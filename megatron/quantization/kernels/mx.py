@@ -95,12 +95,12 @@ def _scaled_nearest(mag, e, EMIN: tl.constexpr, MBITS: tl.constexpr, TOP_SIG: tl
     return (r * up[:, None]).to(tl.int32, bitcast=True)
 
 @triton.jit
-def _mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, signs_ptr, n_blocks, length, inner, blocks_per_row,
-                   EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
-                   TOP_SIG: tl.constexpr, BUMP_ABOVE: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, RHT: tl.constexpr,
-                   INV_SQRT: tl.constexpr, WIDTH: tl.constexpr, LAYOUT: tl.constexpr,
-                   GROUP_: tl.constexpr):
+def mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, signs_ptr, n_blocks, length, inner, blocks_per_row,
+                  EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                  TOP_SIG: tl.constexpr, BUMP_ABOVE: tl.constexpr,
+                  STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr, RHT: tl.constexpr,
+                  INV_SQRT: tl.constexpr, WIDTH: tl.constexpr, LAYOUT: tl.constexpr,
+                  GROUP_: tl.constexpr):
     # GROUP_ runs of WIDTH elements along the axis: one MX block, or (RHT) whole transform
     # blocks holding whole MX blocks (or two MX halves of one 32-block for RHT 16).
     offs, mask = block_offsets(n_blocks, length, inner, blocks_per_row, GROUP_, WIDTH, LAYOUT)
@@ -161,7 +161,7 @@ def mx_fake_quantize_triton(x: torch.Tensor, fmt: str, axis: int, scale_mode: st
     rotation = hadamard_launch(rht, x.device)
     width = max(MX_BLOCK_SIZE, rotation["RHT"])
     args, layout, groups, programs = axis_launch(x.shape, axis, width)
-    launch(_mx_qdq_kernel, "GROUP_", groups, programs,
+    launch(mx_qdq_kernel, "GROUP_", groups, programs,
            (x, x if noise is None else noise.contiguous(), y, rotation.pop("signs"), *args),
            key=("n_blocks", "inner", "LAYOUT", "WIDTH", "STOCHASTIC"),
            STOCHASTIC=noise is not None, IS_BF16=x.dtype == torch.bfloat16, WIDTH=width,

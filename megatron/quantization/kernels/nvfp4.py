@@ -46,11 +46,11 @@ assert _FLT_MAX == FLT_MAX and _RECIP_2688 == ONE_OVER_2688_F32 and _ONE_SIXTH =
 
 
 @triton.jit
-def _nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, imposed_ptr, signs_ptr, n_blocks,
-                      length, inner, blocks_per_row, IMPOSED: tl.constexpr,
-                      TILE_2D: tl.constexpr, STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr,
-                      RHT: tl.constexpr, INV_SQRT: tl.constexpr, WIDTH: tl.constexpr,
-                      LAYOUT: tl.constexpr, GROUP_: tl.constexpr):
+def nvfp4_qdq_kernel(x_ptr, noise_ptr, y_ptr, amax_ptr, imposed_ptr, signs_ptr, n_blocks,
+                     length, inner, blocks_per_row, IMPOSED: tl.constexpr,
+                     TILE_2D: tl.constexpr, STOCHASTIC: tl.constexpr, IS_BF16: tl.constexpr,
+                     RHT: tl.constexpr, INV_SQRT: tl.constexpr, WIDTH: tl.constexpr,
+                     LAYOUT: tl.constexpr, GROUP_: tl.constexpr):
     # GROUP_ rows of WIDTH elements: 16x16 tiles (TILE_2D, WIDTH 256), or runs along the axis
     # of one block of 16 or (RHT) of one transform block holding whole blocks of 16.
     if TILE_2D:     # n_blocks tiles of [length rows, inner columns]; blocks_per_row per row
@@ -124,7 +124,7 @@ def nvfp4_fake_quantize_triton(x: torch.Tensor, axis: int, noise: Optional[torch
     args, layout, groups, programs = (tile_launch(x.shape, NVFP4_BLOCK_SIZE) if block_2d else
                                       axis_launch(x.shape, axis, width))
     data_amax = tensor_amax(x, axis if rht else None, signs, **rotation)
-    launch(_nvfp4_qdq_kernel, "GROUP_", groups, programs,
+    launch(nvfp4_qdq_kernel, "GROUP_", groups, programs,
            (x, x if noise is None else noise.contiguous(), y, data_amax,
             data_amax if amax is None else amax, signs, *args),
            key=("n_blocks", "inner", "LAYOUT", "WIDTH", "STOCHASTIC", "TILE_2D"),

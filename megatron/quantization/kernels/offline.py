@@ -4,7 +4,7 @@ Triton compiles for any NVIDIA target without a GPU (PTX, then ptxas to a cubin)
 machine can check what the interpreter cannot show: vector accesses, wgmma instructions, shared
 memory, registers and spills, flush-to-zero, and how many instructions each loop of a kernel
 runs (the CPU proxy for the kernels' GPU time). Used by the CPU tests and by
-benchmarks/attention_code.py. Run without TRITON_INTERPRET.
+benchmarks/kernel_code.py. Run without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -42,6 +42,46 @@ def compile_for(kernel, constants: Dict[str, object], types: Dict[str, str],
                           target=GPUTarget(*target), options=options)
 
 
+def qdq_launches() -> Dict[str, tuple]:
+    """Every QDQ kernel as the launches specialise it, for float32 and bf16 operands and both
+    memory layouts where it has them (MXFP8 E4M3 floor, NVFP4 with and without a 16-point
+    Hadamard transform and 16x16 tiles, FP8 E4M3 per tensor and 1x128, HiFP8, the amax kernel;
+    round to nearest): {name: (kernel, constexprs, argument types, compile options, elements
+    per program)}. The group sizes and warps are one choice each that autotuning may make."""
+    from megatron.quantization.kernels import amax, fp8, hifp8, mx, nvfp4
+    from megatron.quantization.kernels.bits import COLUMNS, FLAT, ROWS, element_constants
+
+    mx_fmt = mx.format_constants("mxfp8_e4m3", "floor")
+    fp8_fmt = element_constants("fp8_e4m3")
+    options = {"enable_fp_fusion": False, "num_warps": 4}
+    launches = {}
+    for dname, bf16 in (("float32", False), ("bfloat16", True)):
+        types = {"*_ptr": "*bf16" if bf16 else "*fp32", "scaled_max": "fp32",
+                 **dict.fromkeys(("noise_ptr", "signs_ptr", "out_ptr", "amax_ptr",
+                                  "imposed_ptr"), "*fp32")}
+        for lname, layout in (("flat", FLAT), ("columns", COLUMNS)):
+            launches[f"mx {lname} {dname}"] = (mx.mx_qdq_kernel, dict(
+                STOCHASTIC=False, IS_BF16=bf16, RHT=0, INV_SQRT=1.0, WIDTH=32, LAYOUT=layout,
+                GROUP_=64, **mx_fmt), types, options, 64 * 32)
+            launches[f"nvfp4 rht16 {lname} {dname}"] = (nvfp4.nvfp4_qdq_kernel, dict(
+                IMPOSED=False, TILE_2D=False, STOCHASTIC=False, IS_BF16=bf16, RHT=16,
+                INV_SQRT=0.25, WIDTH=16, LAYOUT=layout, GROUP_=128), types, options, 128 * 16)
+            launches[f"fp8 1x128 {lname} {dname}"] = (fp8.fp8_block_kernel, dict(
+                VALUE_FOR_INF=3.0e38, TILE_2D=False, POW2=False, STOCHASTIC=False,
+                IS_BF16=bf16, LAYOUT=layout, GROUP_=16, **fp8_fmt), types, options, 16 * 128)
+        launches[f"nvfp4 16x16 {dname}"] = (nvfp4.nvfp4_qdq_kernel, dict(
+            IMPOSED=False, TILE_2D=True, STOCHASTIC=False, IS_BF16=bf16, RHT=0, INV_SQRT=1.0,
+            WIDTH=256, LAYOUT=ROWS, GROUP_=8), types, options, 8 * 256)
+        launches[f"fp8 tensor {dname}"] = (fp8.fp8_tensor_kernel, dict(
+            DELAYED=False, POW2=False, STOCHASTIC=False, IS_BF16=bf16, BLOCK_=2048,
+            **fp8_fmt), types, options, 2048)
+        launches[f"hifp8 {dname}"] = (hifp8.hifp8_qdq_kernel, dict(
+            SATURATE=False, IS_BF16=bf16, BLOCK_=2048), types, options, 2048)
+        launches[f"amax {dname}"] = (amax.amax_kernel, dict(IS_BF16=bf16, BLOCK_=4096), types,
+                                     options, 4096)
+    return launches
+
+
 def compile_attention(name: str, config, head_dim: int, dtype: torch.dtype = torch.bfloat16,
                       causal: bool = True, fmt: Tuple[str, str] = ("mxfp8_e4m3", "rceil"),
                       attention=None):
@@ -61,10 +101,8 @@ def _nvdisasm() -> str:
     return knobs.nvidia.nvdisasm.path       # the one that ships with Triton's CUDA backend
 
 
-def loop_instructions(cubin: bytes) -> List[Tuple[int, collections.Counter]]:
-    """Each loop of a cubin's SASS (a backward branch and the instructions from its target to
-    it), in program order: (instruction count, opcode histogram). Loops nested in another are
-    listed with it; the kernels' tile loops hold none."""
+def _disassembly(cubin: bytes) -> Tuple[List[Tuple[int, str]], Dict[str, int]]:
+    """A cubin's SASS: [(address, instruction)] and its branch labels {label: address}."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -82,6 +120,20 @@ def loop_instructions(cubin: bytes) -> List[Tuple[int, collections.Counter]]:
             labels.update(dict.fromkeys(pending, address))
             pending = []
             instructions.append((address, code.group(2)))
+    return instructions, labels
+
+
+def instruction_count(cubin: bytes) -> int:
+    """How many SASS instructions a cubin holds (a kernel without loops runs each at most
+    once per thread)."""
+    return len(_disassembly(cubin)[0])
+
+
+def loop_instructions(cubin: bytes) -> List[Tuple[int, collections.Counter]]:
+    """Each loop of a cubin's SASS (a backward branch and the instructions from its target to
+    it), in program order: (instruction count, opcode histogram). Loops nested in another are
+    listed with it; the kernels' tile loops hold none."""
+    instructions, labels = _disassembly(cubin)
     loops = []
     for address, text in instructions:
         branch = re.search(r"\bBRA\b.*?(\.L_x_\d+)", text)

@@ -1,11 +1,18 @@
-"""What the quantized-attention kernels cost per score on an H100/H200, read from their sm_90
-code (no GPU needed): the CPU proxy for their GPU time.
+"""What the Triton kernels cost on an H100/H200, read from their sm_90 code (no GPU needed):
+the CPU proxy for their GPU time.
 
-The kernels are compiled for sm_90 as a training launch specialises them (bf16, causal, every
-tile slot MXFP8 E4M3 with the rceil rule, d = dv = 64 and 128), in every tile configuration
-autotuning may pick there. For each one it prints registers and spills per thread, shared
-memory, and the SASS instructions each tile loop runs per score (per element of its
-[rows, keys] tile: the loop's instructions times the threads, over the tile):
+QDQ kernels: each compiled as the launches specialise it (offline.qdq_launches: every format
+and layout, float32 and bf16 operands, round to nearest), and its SASS instructions per
+element (the kernels have no loops: every thread runs each instruction once, for its share of
+the program's elements). A bf16 QDQ moves 4 bytes per element, so on an H200 (4.8 TB/s
+datasheet, 132 SMs issuing 128 thread-instructions per clock at 1.98 GHz) a kernel issues
+faster than memory feeds it below about 4 * 3.3e13 / 4.8e12 = 28 instructions per element.
+
+Attention kernels: compiled as training launches them (bf16, causal, every tile slot MXFP8
+E4M3 with the rceil rule, d = dv = 64 and 128), in every tile configuration autotuning may
+pick there. For each one: registers and spills per thread, shared memory, and the SASS
+instructions each tile loop runs per score (per element of its [rows, keys] tile: the loop's
+instructions times the threads, over the tile):
 
     forward   pass 1 (m, l) and pass 2 (P, O), each over unmasked and masked key tiles
     query     the delta pass and the dQ pass, unmasked and masked
@@ -17,10 +24,10 @@ and the sum over the five passes on unmasked tiles, which a causal layer at seq 
 all but ~1-2% of its tiles. A GPU's time is not proportional to it (tensor-core work, latency
 and occupancy count too), but elementwise work per score is what these kernels spend most on.
 
-    python benchmarks/attention_code.py [--head-dims 64 128] [--repo PATH]
+    python benchmarks/kernel_code.py [--head-dims 64 128] [--repo PATH]
 
 --repo: read the kernels of another checkout (from `git worktree add`), to set two revisions
-side by side; from ed1d945 on (the kernels' autotuned tile configurations).
+side by side; from ed1d945 on (the attention kernels' autotuned tile configurations).
 """
 
 from __future__ import annotations
@@ -103,6 +110,15 @@ def _other_kernels(repo, ours):
     return theirs
 
 
+def qdq_table(offline) -> None:
+    """Instructions per element of every QDQ kernel launch."""
+    print("\n| QDQ kernel | instructions per element |")
+    print("|---|---:|")
+    for name, (*launch, elements) in offline.qdq_launches().items():
+        count = offline.instruction_count(offline.compile_for(*launch).asm["cubin"])
+        print(f"| {name} | {count * 32 * launch[-1]['num_warps'] / elements:.1f} |", flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -114,7 +130,9 @@ def main(argv=None) -> int:
     if args.repo:
         attention = _other_kernels(args.repo, attention)
     print(f"kernels of {os.path.dirname(os.path.dirname(os.path.dirname(attention.__file__)))}"
-          f" compiled for sm_90 (bf16, causal, MXFP8 E4M3 rceil tiles)")
+          f" compiled for sm_90")
+    qdq_table(offline)
+    print("\nattention kernels (bf16, causal, MXFP8 E4M3 rceil tiles)")
     for head_dim in args.head_dims:
         start = time.time()
         best = {}
