@@ -86,9 +86,10 @@ def kernel_rows(name, head_dim, attention, offline):
 
 
 def _other_kernels(repo, ours):
-    """The attention kernels module of the checkout `repo`, imported in place of ours. One
-    older than attention.specialisation gets ours, run on its own module's names (the kernels
-    and their launch helpers have had the same names since the kernels were autotuned)."""
+    """The attention kernels module of the checkout `repo`, imported in place of ours (and its
+    QDQ kernel modules). One older than attention.specialisation gets ours, run on its own
+    module's names (the kernels and their launch helpers have had the same names since the
+    kernels were autotuned); older QDQ kernels are found under their private names."""
     specialisation = ours.specialisation
     sys.path.insert(0, os.path.abspath(repo))
     for module in [m for m in sys.modules if m.startswith("megatron.quantization")]:
@@ -107,6 +108,12 @@ def _other_kernels(repo, ours):
             return kernel, constants, {**arg_types, "l_ptr": "*fp32"}, options  # row sums
 
         theirs.specialisation = legacy
+    for module, kernel in (("mx", "mx_qdq_kernel"), ("nvfp4", "nvfp4_qdq_kernel"),
+                           ("fp8", "fp8_tensor_kernel"), ("fp8", "fp8_block_kernel"),
+                           ("hifp8", "hifp8_qdq_kernel"), ("amax", "amax_kernel")):
+        module = importlib.import_module(f"megatron.quantization.kernels.{module}")
+        if not hasattr(module, kernel):             # named _kernel before 15c8e51
+            setattr(module, kernel, getattr(module, "_" + kernel))
     return theirs
 
 
