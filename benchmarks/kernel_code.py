@@ -10,9 +10,9 @@ faster than memory feeds it below about 4 * 3.3e13 / 4.8e12 = 28 instructions pe
 
 Attention kernels: compiled as training launches them (bf16, causal, every tile slot MXFP8
 E4M3 with the rceil rule, d = dv = 64 and 128), in every tile configuration autotuning may
-pick there. For each one: registers and spills per thread, shared memory, and the SASS
-instructions each tile loop runs per score (per element of its [rows, keys] tile: the loop's
-instructions times the threads, over the tile):
+pick there. For each one: registers and spills per thread, shared memory, blocks per SM, and
+the SASS instructions each tile loop runs per score (per element of its [rows, keys] tile:
+the loop's instructions times the threads, over the tile):
 
     forward   pass 1 (m, l) and pass 2 (P, O), each over unmasked and masked key tiles
     query     the delta pass and the dQ pass, unmasked and masked
@@ -56,6 +56,13 @@ def per_score(loops, config, threads_per_warp=32):
     """Instructions per tile element of each loop."""
     threads = threads_per_warp * config.warps
     return [count * threads / (config.block_m * config.block_n) for count, _ in loops]
+
+
+def blocks_per_sm(config, registers, shared) -> int:
+    """Blocks an H100/H200 SM holds at once: 64 Ki registers (allocated 8 per thread at a
+    time), 228 KiB of shared memory (1 KiB of it reserved per block)."""
+    by_registers = 65536 // (-(-registers // 8) * 8 * 32 * config.warps)
+    return min(by_registers, 233472 // (shared + 1024))
 
 
 def kernel_rows(name, head_dim, attention, offline):
@@ -144,15 +151,16 @@ def main(argv=None) -> int:
         start = time.time()
         best = {}
         print(f"\nd = {head_dim}")
-        print("| kernel | config (rows, keys, warps, stages) | registers | spill bytes | "
-              "shared KiB | instructions per score |")
-        print("|---|---|---:|---:|---:|---|")
+        print("| kernel | config (rows, keys, warps, stages, register cap) | registers | "
+              "spill bytes | shared KiB | blocks per SM | instructions per score |")
+        print("|---|---|---:|---:|---:|---:|---|")
         for name in ("forward", "query", "key"):
             for config, registers, spilled, shared, passes in kernel_rows(
                     name, head_dim, attention, offline):
                 text = ", ".join(f"{label} {value:.1f}" for label, value in passes.items())
                 print(f"| {name} | {tuple(config)} | {registers} | {spilled} | "
-                      f"{shared / 1024:.0f} | {text} |", flush=True)
+                      f"{shared / 1024:.0f} | {blocks_per_sm(config, registers, shared)} | "
+                      f"{text} |", flush=True)
                 unmasked = sum(v for label, v in passes.items()
                                if not label.endswith("masked"))
                 best[name] = min(best.get(name, unmasked), unmasked)

@@ -182,15 +182,17 @@ class TileConfig(NamedTuple):
     block_n: int        # keys per tile (a multiple of 32)
     warps: int
     stages: int
+    registers: Optional[int] = None     # a cap on registers per thread (ptxas maxnreg)
 
     def triton(self) -> "triton.Config":
         return triton.Config({"BLOCK_M_": self.block_m, "BLOCK_N_": self.block_n},
-                             num_warps=self.warps, num_stages=self.stages)
+                             num_warps=self.warps, num_stages=self.stages,
+                             maxnreg=self.registers)
 
     @classmethod
     def of(cls, config: "triton.Config") -> "TileConfig":
         return cls(config.kwargs["BLOCK_M_"], config.kwargs["BLOCK_N_"], config.num_warps,
-                   config.num_stages)
+                   config.num_stages, getattr(config, "maxnreg", None))
 
 
 # The figures below are sm_90 compilations (ptxas registers and spills, SASS instructions
@@ -209,8 +211,8 @@ ROW_STAGES = MappingProxyType({torch.bfloat16: (2, 3), torch.float32: (1,)})
 # (rows, keys, warps) the dK/dV kernel is timed over, by dtype and head dim (up to 64 or
 # 128): its tiles are [keys, rows], 128 keys for 8 warps (each warp 16 whole keys), and it
 # holds dK and dV besides, so fewer rows: 53-63 instructions per score (70-80 on masked tiles),
-# 148-245 registers, no spill (4 warps leave room for two blocks per SM, 8 warps for one; at
-# d = 128 the 4-warp tile spills, so it is no candidate there).
+# 148-245 registers, no spill (4 warps leave room for three blocks per SM, 8 warps for one, two
+# under the cap below; at d = 128 the 4-warp tile spills, so it is no candidate there).
 # Its loads sit in a conditional (the skipped tiles) and are not pipelined: one stage.
 KEY_TILES = MappingProxyType({
     (torch.bfloat16, 64): ((32, 64, 4), (32, 128, 8), (64, 128, 8)),
@@ -220,14 +222,27 @@ KEY_TILES = MappingProxyType({
 })
 
 
+# Tiles also timed with a cap of 128 registers per thread on Hopper at d <= 64, where the cap
+# costs no spill (the compile test checks it): two blocks per SM, 16 warps instead of 8, to
+# hide the latency of the conversions and exponentials. A cap changes the register
+# allocation, never the arithmetic. (The dQ kernel and the other tiles spill under it.)
+TWO_BLOCKS_PER_SM = MappingProxyType({"forward": (128, 64, 8), "key": (32, 128, 8)})
+
+
 def tile_configs(kernel: str, capability: Tuple[int, int], dtype: torch.dtype,
                  head_dim: int) -> List[TileConfig]:
     """The configurations `kernel` ("forward", "query" or "key") is timed over on a GPU of
     compute capability `capability`, for operands of `dtype` and the larger head dim."""
     if kernel in ("forward", "query"):
         major = capability[0] if (capability[0], dtype) in ROW_TILES else 0
-        return [TileConfig(*ROW_TILES[(major, dtype)], s) for s in ROW_STAGES[dtype]]
-    return [TileConfig(*tile, 1) for tile in KEY_TILES[(dtype, 64 if head_dim <= 64 else 128)]]
+        configs = [TileConfig(*ROW_TILES[(major, dtype)], s) for s in ROW_STAGES[dtype]]
+    else:
+        configs = [TileConfig(*tile, 1)
+                   for tile in KEY_TILES[(dtype, 64 if head_dim <= 64 else 128)]]
+    if capability[0] == 9 and dtype == torch.bfloat16 and head_dim <= 64:
+        configs += [c._replace(registers=128) for c in configs
+                    if c[:3] == TWO_BLOCKS_PER_SM.get(kernel)]
+    return configs
 
 
 def _autotuned(kernel, name: str, formats: Tuple[str, ...]):
@@ -794,6 +809,8 @@ def specialisation(name: str, config: TileConfig, head_dim: int,
     constants = _launch_options(dtype, head_dim, head_dim, head_dim ** -0.5)
     options = dict(num_warps=config.warps, num_stages=config.stages,
                    enable_fp_fusion=constants.pop("enable_fp_fusion"))
+    if config.registers:
+        options["maxnreg"] = config.registers
     constants.update(slots, CAUSAL=causal, SKIP=causal, DEBUG=False, BLOCK_M_=config.block_m,
                      BLOCK_N_=config.block_n)
     types = {"*_ptr": "*bf16" if dtype == torch.bfloat16 else "*fp32", "m_ptr": "*fp32",
