@@ -16,6 +16,11 @@ import triton
 import triton.language as tl
 
 from megatron.quantization.formats.common import FORMAT_INFO
+from megatron.quantization.kernels.environment import interpreter_enabled
+
+# Whether the kernels run in Triton's interpreter (read once, as Triton itself reads it): its
+# float -> bf16 conversion truncates, so there the stores round the bits themselves.
+INTERPRETED = tl.constexpr(interpreter_enabled())
 
 
 # How a program's blocks along the quantized axis lie in memory (tensor seen as [outer, length,
@@ -111,10 +116,15 @@ def round_bits_to_bf16(bits):
 
 @triton.jit
 def store_bits(ptr, offs, mask, bits, IS_BF16: tl.constexpr):
-    """Store float32 bits as float32, or rounded to bf16 (nearest even; NaN stays NaN)."""
+    """Store float32 bits as float32, or rounded to bf16 (nearest even; NaN stays NaN): on a
+    GPU by its conversion instruction (two values at a time, where the integer rounding takes
+    some five instructions per value), under the interpreter on the bits."""
     if IS_BF16:
-        half = (round_bits_to_bf16(bits) >> 16).to(tl.int16)
-        tl.store(ptr + offs, half.to(tl.bfloat16, bitcast=True), mask=mask)
+        if INTERPRETED:
+            half = (round_bits_to_bf16(bits) >> 16).to(tl.int16)
+            tl.store(ptr + offs, half.to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(ptr + offs, bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
     else:
         tl.store(ptr + offs, bits.to(tl.float32, bitcast=True), mask=mask)
 
