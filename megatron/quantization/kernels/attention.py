@@ -121,6 +121,7 @@ contraction, so no rounding step above is fused away.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -185,9 +186,9 @@ class TileConfig(NamedTuple):
     registers: Optional[int] = None     # a cap on registers per thread (ptxas maxnreg)
 
     def triton(self) -> "triton.Config":
+        cap = {"maxnreg": self.registers} if self.registers else {}
         return triton.Config({"BLOCK_M_": self.block_m, "BLOCK_N_": self.block_n},
-                             num_warps=self.warps, num_stages=self.stages,
-                             maxnreg=self.registers)
+                             num_warps=self.warps, num_stages=self.stages, **cap)
 
     @classmethod
     def of(cls, config: "triton.Config") -> "TileConfig":
@@ -227,6 +228,7 @@ KEY_TILES = MappingProxyType({
 # hide the latency of the conversions and exponentials. A cap changes the register
 # allocation, never the arithmetic. (The dQ kernel and the other tiles spill under it.)
 TWO_BLOCKS_PER_SM = MappingProxyType({"forward": (128, 64, 8), "key": (32, 128, 8)})
+CAN_CAP_REGISTERS = "maxnreg" in inspect.signature(triton.Config).parameters  # Triton >= 3.0
 
 
 def tile_configs(kernel: str, capability: Tuple[int, int], dtype: torch.dtype,
@@ -239,7 +241,7 @@ def tile_configs(kernel: str, capability: Tuple[int, int], dtype: torch.dtype,
     else:
         configs = [TileConfig(*tile, 1)
                    for tile in KEY_TILES[(dtype, 64 if head_dim <= 64 else 128)]]
-    if capability[0] == 9 and dtype == torch.bfloat16 and head_dim <= 64:
+    if capability[0] == 9 and dtype == torch.bfloat16 and head_dim <= 64 and CAN_CAP_REGISTERS:
         configs += [c._replace(registers=128) for c in configs
                     if c[:3] == TWO_BLOCKS_PER_SM.get(kernel)]
     return configs
