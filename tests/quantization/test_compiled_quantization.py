@@ -1,11 +1,11 @@
-"""Kernel mode "compile" (--quant-kernels compile): the calls of a recipe training run, compiled on the
-CPU, give eager's bits, compile no more graphs than they have distinct guard sets, and never
+"""Kernel mode "compile" (--quant-kernels compile): the calls of a recipe training run, compiled on
+the CPU, give eager's bits, compile no more graphs than they have distinct guard sets, and never
 fall back to eager PyTorch in silence: past the module's graph limit they raise.
 
 Dynamo alone keeps at most torch._dynamo.config.recompile_limit (8) graphs per function and runs
-the rest eagerly; the compile mode (kernels/compiled.py) feeds its graphs canonical, detached, whole-block
-inputs (one graph per option set, whatever the rank, axis, tail or requires_grad) and raises
-its own limit for the compiled calls only, with fail_on_recompile_limit_hit.
+the rest eagerly; the compile mode (kernels/compiled.py) feeds its graphs canonical, detached,
+whole-block inputs (one graph per option set, whatever the rank, axis, tail or requires_grad)
+and raises its own limit for the compiled calls only, with fail_on_recompile_limit_hit.
 """
 
 import contextlib

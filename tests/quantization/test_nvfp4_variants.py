@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-import fp4_reference as ref
 import nvfp4_variants_reference as R
 from megatron.quantization import dispatch
 from megatron.quantization.formats import fake_quantize, nvfp4_scales
