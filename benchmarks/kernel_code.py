@@ -110,8 +110,9 @@ def _other_kernels(repo, ours):
         rebound = types.FunctionType(specialisation.__code__, names, "specialisation",
                                      specialisation.__defaults__)
 
-        def legacy(*args):
-            kernel, constants, arg_types, options = rebound(*args)
+        def legacy(name, config, *args):
+            config = ours.TileConfig(*config)           # with our fields' defaults
+            kernel, constants, arg_types, options = rebound(name, config, *args)
             return kernel, constants, {**arg_types, "l_ptr": "*fp32"}, options  # row sums
 
         theirs.specialisation = legacy

@@ -397,9 +397,8 @@ def broken_case():
     globals().update(tl=tl, kernels=kernels)
 
     @triton.jit
-    def scores_unrounded(s, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                         POW2_SCALE: tl.constexpr):
-        return kernels._round_to_dtype(s * scale, IS_BF16, INTERPRETED)
+    def scores_unrounded(s, scale, IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr):
+        return kernels._round_to_dtype(s * scale, IS_BF16)
 
     original = kernels._scaled_scores
     kernels._scaled_scores = scores_unrounded

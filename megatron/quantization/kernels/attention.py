@@ -133,7 +133,8 @@ import triton.language as tl
 
 from megatron.quantization.formats import canonical_format, format_info
 from megatron.quantization.kernels import interpreter_enabled
-from megatron.quantization.kernels.bits import load_bits, round_bits_to_bf16, store_bits
+from megatron.quantization.kernels.bits import (
+    INTERPRETED, load_bits, round_bits_to_bf16, store_bits)
 from megatron.quantization.kernels.mx import format_constants, mx_quantize_blocks
 
 MAX_HEAD_DIM = 128  # largest d and dv (padded to a power of two in registers)
@@ -272,7 +273,7 @@ def _autotuned(kernel, name: str, formats: Tuple[str, ...]):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _round_to_dtype(x, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+def _round_to_dtype(x, IS_BF16: tl.constexpr):
     """x (float32) rounded to the input dtype to nearest even and kept in float32 (float32: x
     itself). On a GPU the conversion instruction; the interpreter's conversion truncates, so
     there the bits are rounded (NaN stays NaN)."""
@@ -285,19 +286,18 @@ def _round_to_dtype(x, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _operand(x, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+def _operand(x, IS_BF16: tl.constexpr):
     """x (float32) rounded to the input dtype as a tl.dot operand: on a GPU in that dtype (one
     conversion), under the interpreter in float32 (it cannot multiply bf16)."""
     if IS_BF16 and not INTERPRETED:
         x = x.to(tl.bfloat16)
     else:
-        x = _round_to_dtype(x, IS_BF16, INTERPRETED)
+        x = _round_to_dtype(x, IS_BF16)
     return x
 
 
 @triton.jit
-def _load(ptr, rows, cols, row_stride, col_stride, n_rows, n_cols, IS_BF16: tl.constexpr,
-          INTERPRETED: tl.constexpr):
+def _load(ptr, rows, cols, row_stride, col_stride, n_rows, n_cols, IS_BF16: tl.constexpr):
     """The tile [rows, cols] of a matrix at ptr with the given strides, in its dtype (zeros
     outside [n_rows, n_cols)): a tl.dot operand as it is on a GPU (loaded straight into shared
     memory, pipelined); under the interpreter widened to float32 (exact)."""
@@ -311,8 +311,7 @@ def _load(ptr, rows, cols, row_stride, col_stride, n_rows, n_cols, IS_BF16: tl.c
 
 
 @triton.jit
-def _store(ptr, rows, cols, row_stride, col_stride, n_rows, n_cols, x, IS_BF16: tl.constexpr,
-           INTERPRETED: tl.constexpr):
+def _store(ptr, rows, cols, row_stride, col_stride, n_rows, n_cols, x, IS_BF16: tl.constexpr):
     """Store the float32 tile x at [rows, cols], rounded to the tensor's dtype (nearest even:
     the store's conversion on a GPU, the bits under the interpreter)."""
     offs = rows[:, None] * row_stride + cols[None, :] * col_stride
@@ -345,15 +344,13 @@ def _mx_along_last(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr)
 
 
 @triton.jit
-def _scaled_scores(s, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                   POW2_SCALE: tl.constexpr):
+def _scaled_scores(s, scale, IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr):
     """x = float(dtype(dtype(S) * scale)) from the fp32 products S; see _scaled_once."""
-    return _scaled_once(s, scale, IS_BF16, INTERPRETED, POW2_SCALE)
+    return _scaled_once(s, scale, IS_BF16, POW2_SCALE)
 
 
 @triton.jit
-def _scaled_once(t, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                 POW2_SCALE: tl.constexpr):
+def _scaled_once(t, scale, IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr):
     """dtype(dtype(t) * scale) in float32. With a power-of-two scale (POW2_SCALE) one rounding,
     dtype(t * scale): the same number wherever |t * scale| >= 2**-126 (bf16's normal range,
     the same as float32's, in which rounding commutes with scaling by a power of two and
@@ -361,10 +358,9 @@ def _scaled_once(t, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
     the two roundings may differ in the last bit of a number under 2**-126. One conversion
     less per score."""
     if POW2_SCALE:
-        t = _round_to_dtype(t * scale, IS_BF16, INTERPRETED)
+        t = _round_to_dtype(t * scale, IS_BF16)
     else:
-        t = _round_to_dtype(_round_to_dtype(t, IS_BF16, INTERPRETED) * scale, IS_BF16,
-                            INTERPRETED)
+        t = _round_to_dtype(_round_to_dtype(t, IS_BF16) * scale, IS_BF16)
     return t
 
 
@@ -391,11 +387,10 @@ def _probs32(x, m, inv_l):
 
 
 @triton.jit
-def _score_grad(dx, scale, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                POW2_SCALE: tl.constexpr):
+def _score_grad(dx, scale, IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr):
     """dS from the softmax backward's fp32 dx (zero where hidden): the backward of the
     .float() cast (round to the dtype) and of * scale (round again); see _scaled_once."""
-    return _scaled_once(dx, scale, IS_BF16, INTERPRETED, POW2_SCALE)
+    return _scaled_once(dx, scale, IS_BF16, POW2_SCALE)
 
 
 @triton.jit
@@ -420,14 +415,14 @@ def _key_ranges(rows, last_visible, R, SK, BLOCK_N_: tl.constexpr, CAUSAL: tl.co
 
 @triton.jit
 def _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED: tl.constexpr,
-                     CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                     POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
+                     CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
     """(cols, x): the keys n0 .. n0 + BLOCK_N_ - 1 and x [rows, keys] of the query tile q with
     that key tile of K^T (see _scaled_scores); MASKED: -10000 where the causal mask hides the
     key, -inf past the last key (outside the softmax)."""
     cols = n0 + tl.arange(0, BLOCK_N_)
-    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
-    x = _scaled_scores(tl.dot(q, kt, input_precision=PRECISION), scale, IS_BF16, INTERPRETED,
+    kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16)
+    x = _scaled_scores(tl.dot(q, kt, input_precision=PRECISION), scale, IS_BF16,
                        POW2_SCALE)
     if MASKED:
         if CAUSAL:
@@ -473,11 +468,11 @@ def _tile_needed(last_visible, row_ok, first_key, LIMIT: tl.constexpr):
 
 @triton.jit
 def _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED: tl.constexpr,
-                CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
+                CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
     """The forward's pass 1 over one key tile: m and l updated (online)."""
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
-                               IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
+                               IS_BF16, POW2_SCALE, PRECISION, BLOCK_N_)
     m_new = tl.maximum(m, tl.max(x, axis=1))
     l = l * _exp(m - m_new) + tl.sum(_exp(x - m_new[:, None]), axis=1)
     return m_new, l
@@ -486,28 +481,28 @@ def _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED: t
 @triton.jit
 def _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims, last_visible, m,
                  inv_l, scale, R, SK, D, DV, P_FMT: tl.constexpr, MASKED: tl.constexpr,
-                 CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                 POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
-                 BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
+                 CAUSAL: tl.constexpr, IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr,
+                 PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
+                 BLOCK_N_: tl.constexpr):
     """The forward's pass 2 over one key tile: acc += MX_keys(P) @ V."""
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
-                               IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
-    p = _round_to_dtype(_probs32(x, m[:, None], inv_l[:, None]), IS_BF16, INTERPRETED)
+                               IS_BF16, POW2_SCALE, PRECISION, BLOCK_N_)
+    p = _round_to_dtype(_probs32(x, m[:, None], inv_l[:, None]), IS_BF16)
     pq = _mx_along_last(p, BLOCK_M_, BLOCK_N_, P_FMT)
-    v = _load(v_ptr, cols, vdims, DV, 1, SK, DV, IS_BF16, INTERPRETED)
-    acc = tl.dot(_operand(pq, IS_BF16, INTERPRETED), v, acc, input_precision=PRECISION)
+    v = _load(v_ptr, cols, vdims, DV, 1, SK, DV, IS_BF16)
+    acc = tl.dot(_operand(pq, IS_BF16), v, acc, input_precision=PRECISION)
     if DEBUG:
-        _store(p_dbg, rows, cols, SK, 1, R, SK, p, IS_BF16, INTERPRETED)
-        _store(pq_dbg, rows, cols, SK, 1, R, SK, pq, IS_BF16, INTERPRETED)
+        _store(p_dbg, rows, cols, SK, 1, R, SK, p, IS_BF16)
+        _store(pq_dbg, rows, cols, SK, 1, R, SK, pq, IS_BF16)
     return acc
 
 
 @triton.jit
 def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_dbg, scale, R, SQ,
                     SK, D, DV, P_FMT: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
-                    IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr,
-                    PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
-                    BLOCK_N_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                    IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                    DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Per query tile: out = MX_keys(P) @ V and the rows' softmax statistics m and 1 / l."""
     g = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M_ + tl.arange(0, BLOCK_M_)
@@ -516,7 +511,7 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_d
     v_ptr += g * SK * DV
     p_dbg += g * R * SK
     pq_dbg += g * R * SK
-    q = _load(q_ptr + g * R * D, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
+    q = _load(q_ptr + g * R * D, rows, dims, D, 1, R, D, IS_BF16)
     last_visible = rows % SQ + (SK - SQ)        # the last key each row sees (negative: none)
     full, end = _key_ranges(rows, last_visible, R, SK, BLOCK_N_, CAUSAL, SKIP)
 
@@ -524,11 +519,11 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_d
     m = tl.full((BLOCK_M_,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M_,), tl.float32)
     for n0 in range(0, full, BLOCK_N_):
-        m, l = _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, False,
-                           CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
+        m, l = _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, False, CAUSAL,
+                           IS_BF16, POW2_SCALE, PRECISION, BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
-        m, l = _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, True,
-                           CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
+        m, l = _stats_step(m, l, q, kt_ptr, n0, dims, last_visible, scale, SK, D, True, CAUSAL,
+                           IS_BF16, POW2_SCALE, PRECISION, BLOCK_N_)
 
     # Pass 2: the exact probabilities, rounded and quantized, times V.
     inv_l = _reciprocal(l)
@@ -536,13 +531,13 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_d
     for n0 in range(0, full, BLOCK_N_):
         acc = _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims,
                            last_visible, m, inv_l, scale, R, SK, D, DV, P_FMT, False, CAUSAL,
-                           IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
+                           IS_BF16, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
         acc = _output_step(acc, q, kt_ptr, v_ptr, p_dbg, pq_dbg, n0, rows, dims, vdims,
                            last_visible, m, inv_l, scale, R, SK, D, DV, P_FMT, True, CAUSAL,
-                           IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
+                           IS_BF16, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
 
-    _store(out_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, acc, IS_BF16, INTERPRETED)
+    _store(out_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, acc, IS_BF16)
     row_ok = rows < R
     tl.store(m_ptr + g * R + rows, m, mask=row_ok)
     tl.store(inv_l_ptr + g * R + rows, inv_l, mask=row_ok)
@@ -551,13 +546,12 @@ def _forward_kernel(q_ptr, kt_ptr, v_ptr, out_ptr, m_ptr, inv_l_ptr, p_dbg, pq_d
 @triton.jit
 def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, scale, SK, D, DV,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
-                INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_N_: tl.constexpr):
+                POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N_: tl.constexpr):
     """One key tile's part of delta = sum_j P32_j * dP_j."""
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
-                               IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
-    vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
-    dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
+                               IS_BF16, POW2_SCALE, PRECISION, BLOCK_N_)
+    vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16)
+    dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16)
     return tl.sum(_probs32(x, m[:, None], inv_l[:, None]) * dp, axis=1)
 
 
@@ -565,23 +559,23 @@ def _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, 
 def _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims, vdims,
                      last_visible, m, inv_l, delta, scale, R, SK, D, DV, DS_FMT: tl.constexpr,
                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, IS_BF16: tl.constexpr,
-                     INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr,
-                     DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
+                     POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
+                     BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
     """One key tile's part of dQ: dq += MX_keys(dS) @ K."""
     cols, x = _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED, CAUSAL,
-                               IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, BLOCK_N_)
-    vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
-    dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16, INTERPRETED)
+                               IS_BF16, POW2_SCALE, PRECISION, BLOCK_N_)
+    vt = _load(vd_ptr, vdims, cols, 1, DV, DV, SK, IS_BF16)
+    dp = _round_to_dtype(tl.dot(do, vt, input_precision=PRECISION), IS_BF16)
     dx = _probs32(x, m[:, None], inv_l[:, None]) * (dp - delta[:, None])
     if MASKED:
         dx = tl.where(_row_hidden(cols, last_visible, SK, CAUSAL), 0.0, dx)
-    ds = _score_grad(dx, scale, IS_BF16, INTERPRETED, POW2_SCALE)
+    ds = _score_grad(dx, scale, IS_BF16, POW2_SCALE)
     dsq = _mx_along_last(ds, BLOCK_M_, BLOCK_N_, DS_FMT)
-    k = _load(kd_ptr, cols, dims, 1, SK, SK, D, IS_BF16, INTERPRETED)
-    dq = tl.dot(_operand(dsq, IS_BF16, INTERPRETED), k, dq, input_precision=PRECISION)
+    k = _load(kd_ptr, cols, dims, 1, SK, SK, D, IS_BF16)
+    dq = tl.dot(_operand(dsq, IS_BF16), k, dq, input_precision=PRECISION)
     if DEBUG:
-        _store(ds_dbg, rows, cols, SK, 1, R, SK, ds, IS_BF16, INTERPRETED)
-        _store(dsq_dbg, rows, cols, SK, 1, R, SK, dsq, IS_BF16, INTERPRETED)
+        _store(ds_dbg, rows, cols, SK, 1, R, SK, ds, IS_BF16)
+        _store(dsq_dbg, rows, cols, SK, 1, R, SK, dsq, IS_BF16)
     return dq
 
 
@@ -589,9 +583,9 @@ def _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, row
 def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, inv_l_ptr, delta_ptr,
                            dq_ptr, ds_dbg, dsq_dbg, scale, R, SQ, SK, D, DV, DS_FMT: tl.constexpr,
                            CAUSAL: tl.constexpr, SKIP: tl.constexpr, IS_BF16: tl.constexpr,
-                           INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr,
-                           PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
-                           BLOCK_N_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                           POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
+                           BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_DV: tl.constexpr):
     """Per query tile: delta over all keys, then dQ = MX_keys(dS) @ K."""
     g = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M_ + tl.arange(0, BLOCK_M_)
@@ -602,8 +596,8 @@ def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, inv_l_p
     vd_ptr += g * SK * DV
     ds_dbg += g * R * SK
     dsq_dbg += g * R * SK
-    q = _load(q_ptr + g * R * D, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
-    do = _load(do_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, IS_BF16, INTERPRETED)
+    q = _load(q_ptr + g * R * D, rows, dims, D, 1, R, D, IS_BF16)
+    do = _load(do_ptr + g * R * DV, rows, vdims, DV, 1, R, DV, IS_BF16)
     m = tl.load(m_ptr + g * R + rows, mask=row_ok, other=0.0)
     inv_l = tl.load(inv_l_ptr + g * R + rows, mask=row_ok, other=1.0)
     last_visible = rows % SQ + (SK - SQ)
@@ -612,26 +606,24 @@ def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, inv_l_p
     delta = tl.zeros((BLOCK_M_,), tl.float32)
     for n0 in range(0, full, BLOCK_N_):
         delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, scale,
-                             SK, D, DV, False, CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION,
-                             BLOCK_N_)
+                             SK, D, DV, False, CAUSAL, IS_BF16, POW2_SCALE, PRECISION, BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
         delta += _delta_step(q, do, kt_ptr, vd_ptr, n0, dims, vdims, last_visible, m, inv_l, scale,
-                             SK, D, DV, True, CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION,
-                             BLOCK_N_)
+                             SK, D, DV, True, CAUSAL, IS_BF16, POW2_SCALE, PRECISION, BLOCK_N_)
 
     dq = tl.zeros((BLOCK_M_, BLOCK_D), tl.float32)
     for n0 in range(0, full, BLOCK_N_):
         dq = _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims,
                               vdims, last_visible, m, inv_l, delta, scale, R, SK, D, DV, DS_FMT,
-                              False, CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG,
-                              BLOCK_M_, BLOCK_N_)
+                              False, CAUSAL, IS_BF16, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_,
+                              BLOCK_N_)
     for n0 in range(full, end, BLOCK_N_):
         dq = _query_grad_step(dq, q, do, kt_ptr, kd_ptr, vd_ptr, ds_dbg, dsq_dbg, n0, rows, dims,
                               vdims, last_visible, m, inv_l, delta, scale, R, SK, D, DV, DS_FMT,
-                              True, CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG,
-                              BLOCK_M_, BLOCK_N_)
+                              True, CAUSAL, IS_BF16, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_,
+                              BLOCK_N_)
 
-    _store(dq_ptr + g * R * D, rows, dims, D, 1, R, D, dq, IS_BF16, INTERPRETED)
+    _store(dq_ptr + g * R * D, rows, dims, D, 1, R, D, dq, IS_BF16)
     tl.store(delta_ptr + g * R + rows, delta, mask=row_ok)
 
 
@@ -639,14 +631,13 @@ def _backward_query_kernel(q_ptr, kt_ptr, kd_ptr, vd_ptr, do_ptr, m_ptr, inv_l_p
 def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, inv_l_ptr, delta_ptr,
               p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols, last_visible, dims, vdims, scale, R, SK,
               D, DV, P_FMT: tl.constexpr, DS_FMT: tl.constexpr, MASKED: tl.constexpr,
-              IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr, POW2_SCALE: tl.constexpr,
-              PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
-              BLOCK_N_: tl.constexpr):
+              IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+              DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr):
     """One query tile's part of dV = MX_rows(P)^T @ dO and dK = MX_rows(dS)^T @ Q, with the
     tiles as [keys, rows] (k_tile, v_tile: K and V as [keys, d] on a GPU, K^T and V^T as
     [d, keys] under the interpreter). MASKED: the causal mask hides some key from some row."""
     row_ok = rows < R
-    q = _load(q_ptr, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
+    q = _load(q_ptr, rows, dims, D, 1, R, D, IS_BF16)
     # Rows past R get m = +inf: P, and so dS, is exactly zero there, the padding their row
     # blocks need, without a select per element.
     m = tl.load(m_ptr + rows, mask=row_ok, other=float("inf"))
@@ -655,36 +646,36 @@ def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, inv
         s_t = tl.trans(tl.dot(q, k_tile, input_precision=PRECISION))
     else:
         s_t = tl.dot(k_tile, tl.trans(q), input_precision=PRECISION)
-    x_t = _scaled_scores(s_t, scale, IS_BF16, INTERPRETED, POW2_SCALE)
+    x_t = _scaled_scores(s_t, scale, IS_BF16, POW2_SCALE)
     if MASKED:
         hidden_t = cols[:, None] > last_visible[None, :]
         x_t = tl.where(hidden_t, MASK_FILL, x_t)
     # Keys past sk need no mask here: their rows of the [keys, rows] tiles are never stored.
     p32_t = _probs32(x_t, m[None, :], inv_l[None, :])
     # dV before dP: fewer [keys, rows] tiles live at once (registers).
-    p_t = _round_to_dtype(p32_t, IS_BF16, INTERPRETED)
+    p_t = _round_to_dtype(p32_t, IS_BF16)
     pq_t = _mx_along_last(p_t, BLOCK_N_, BLOCK_M_, P_FMT)
-    dow = _load(dow_ptr, rows, vdims, DV, 1, R, DV, IS_BF16, INTERPRETED)
-    dv = tl.dot(_operand(pq_t, IS_BF16, INTERPRETED), dow, dv, input_precision=PRECISION)
+    dow = _load(dow_ptr, rows, vdims, DV, 1, R, DV, IS_BF16)
+    dv = tl.dot(_operand(pq_t, IS_BF16), dow, dv, input_precision=PRECISION)
 
-    do = _load(do_ptr, rows, vdims, DV, 1, R, DV, IS_BF16, INTERPRETED)
+    do = _load(do_ptr, rows, vdims, DV, 1, R, DV, IS_BF16)
     delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
     if INTERPRETED:
         dp_t = tl.trans(tl.dot(do, v_tile, input_precision=PRECISION))
     else:
         dp_t = tl.dot(v_tile, tl.trans(do), input_precision=PRECISION)
-    dx_t = p32_t * (_round_to_dtype(dp_t, IS_BF16, INTERPRETED) - delta[None, :])
+    dx_t = p32_t * (_round_to_dtype(dp_t, IS_BF16) - delta[None, :])
     if MASKED:
         dx_t = tl.where(hidden_t, 0.0, dx_t)
-    ds_t = _score_grad(dx_t, scale, IS_BF16, INTERPRETED, POW2_SCALE)
+    ds_t = _score_grad(dx_t, scale, IS_BF16, POW2_SCALE)
     dsq_t = _mx_along_last(ds_t, BLOCK_N_, BLOCK_M_, DS_FMT)
-    qw = _load(qw_ptr, rows, dims, D, 1, R, D, IS_BF16, INTERPRETED)
-    dk = tl.dot(_operand(dsq_t, IS_BF16, INTERPRETED), qw, dk, input_precision=PRECISION)
+    qw = _load(qw_ptr, rows, dims, D, 1, R, D, IS_BF16)
+    dk = tl.dot(_operand(dsq_t, IS_BF16), qw, dk, input_precision=PRECISION)
     if DEBUG:       # [keys, rows] tiles of [R, SK] tensors
-        _store(p_dbg, cols, rows, 1, SK, SK, R, p_t, IS_BF16, INTERPRETED)
-        _store(ds_dbg, cols, rows, 1, SK, SK, R, ds_t, IS_BF16, INTERPRETED)
-        _store(pq_dbg, cols, rows, 1, SK, SK, R, pq_t, IS_BF16, INTERPRETED)
-        _store(dsq_dbg, cols, rows, 1, SK, SK, R, dsq_t, IS_BF16, INTERPRETED)
+        _store(p_dbg, cols, rows, 1, SK, SK, R, p_t, IS_BF16)
+        _store(ds_dbg, cols, rows, 1, SK, SK, R, ds_t, IS_BF16)
+        _store(pq_dbg, cols, rows, 1, SK, SK, R, pq_t, IS_BF16)
+        _store(dsq_dbg, cols, rows, 1, SK, SK, R, dsq_t, IS_BF16)
     return dk, dv
 
 
@@ -692,10 +683,9 @@ def _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr, inv
 def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, inv_l_ptr,
                          delta_ptr, dkt_ptr, dv_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, scale, R, SQ,
                          SK, D, DV, P_FMT: tl.constexpr, DS_FMT: tl.constexpr, CAUSAL: tl.constexpr,
-                         SKIP: tl.constexpr, IS_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                         POW2_SCALE: tl.constexpr, PRECISION: tl.constexpr, DEBUG: tl.constexpr,
-                         BLOCK_M_: tl.constexpr, BLOCK_N_: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_DV: tl.constexpr):
+                         SKIP: tl.constexpr, IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr,
+                         PRECISION: tl.constexpr, DEBUG: tl.constexpr, BLOCK_M_: tl.constexpr,
+                         BLOCK_N_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Per key tile: dV = MX_rows(P)^T @ dO_q and dK = MX_rows(dS)^T @ Q_q over all rows."""
     g = tl.program_id(1).to(tl.int64)
     first_key = tl.program_id(0) * BLOCK_N_
@@ -713,11 +703,11 @@ def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, 
     ds_dbg += g * R * SK
     dsq_dbg += g * R * SK
     if INTERPRETED:     # the forward's K^T [d, keys] and the dQ kernel's V^T [dv, keys] tiles
-        k_tile = _load(kt_ptr + g * D * SK, dims, cols, SK, 1, D, SK, IS_BF16, INTERPRETED)
-        v_tile = _load(vd_ptr + g * SK * DV, vdims, cols, 1, DV, DV, SK, IS_BF16, INTERPRETED)
+        k_tile = _load(kt_ptr + g * D * SK, dims, cols, SK, 1, D, SK, IS_BF16)
+        v_tile = _load(vd_ptr + g * SK * DV, vdims, cols, 1, DV, DV, SK, IS_BF16)
     else:               # K [keys, d] and V [keys, dv]: S^T and dP^T come out as [keys, rows]
-        k_tile = _load(kt_ptr + g * D * SK, cols, dims, 1, SK, SK, D, IS_BF16, INTERPRETED)
-        v_tile = _load(vd_ptr + g * SK * DV, cols, vdims, DV, 1, SK, DV, IS_BF16, INTERPRETED)
+        k_tile = _load(kt_ptr + g * D * SK, cols, dims, 1, SK, SK, D, IS_BF16)
+        v_tile = _load(vd_ptr + g * SK * DV, cols, vdims, DV, 1, SK, DV, IS_BF16)
 
     dk = tl.zeros((BLOCK_N_, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N_, BLOCK_DV), tl.float32)
@@ -728,19 +718,17 @@ def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, 
         if CAUSAL and seen_by_all >= first_key + BLOCK_N_ - 1:
             dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
                                inv_l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
-                               last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT,
-                               False, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_,
-                               BLOCK_N_)
+                               last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT, False,
+                               IS_BF16, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
         elif _tile_needed(last_visible, rows < R, first_key, SKIP):
             dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
                                inv_l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
                                last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT,
-                               CAUSAL, IS_BF16, INTERPRETED, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_,
-                               BLOCK_N_)
+                               CAUSAL, IS_BF16, POW2_SCALE, PRECISION, DEBUG, BLOCK_M_, BLOCK_N_)
 
     # dK^T [D, SK] is the transpose of the dK tile [keys, D].
-    _store(dkt_ptr + g * D * SK, cols, dims, 1, SK, SK, D, dk, IS_BF16, INTERPRETED)
-    _store(dv_ptr + g * SK * DV, cols, vdims, DV, 1, SK, DV, dv, IS_BF16, INTERPRETED)
+    _store(dkt_ptr + g * D * SK, cols, dims, 1, SK, SK, D, dk, IS_BF16)
+    _store(dv_ptr + g * SK * DV, cols, vdims, DV, 1, SK, DV, dv, IS_BF16)
 
 
 _forward_kernel = _autotuned(_forward_kernel, "forward", ("P_FMT",))
@@ -788,10 +776,9 @@ def _launch_options(dtype: torch.dtype, head_dim: int, value_dim: int, scale: fl
     """The constexprs and compile options every launch takes (the tile comes from the
     configuration). POW2_SCALE: bf16 with a power-of-two softmax scale (d = 64: 1/8), whose
     scores are rounded once after scaling (_scaled_once)."""
-    interpreted = interpreter_enabled()
-    return dict(IS_BF16=dtype == torch.bfloat16, INTERPRETED=interpreted,
+    return dict(IS_BF16=dtype == torch.bfloat16,
                 POW2_SCALE=dtype == torch.bfloat16 and scale > 0 and math.frexp(scale)[0] == 0.5,
-                PRECISION=None if dtype == torch.bfloat16 and not interpreted else "ieee",
+                PRECISION=None if dtype == torch.bfloat16 and not INTERPRETED else "ieee",
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), enable_fp_fusion=False)
 
