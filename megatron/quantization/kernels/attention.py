@@ -75,18 +75,18 @@ the query tile sees in full (no mask, no selects), then over the diagonal ones (
 tile past sk). The dK/dV kernel masks only the query tiles holding a row that does not see
 every key of its key tile (some 16 of its ~70 instructions per score).
 Operands are loaded in their dtype and fed to tl.dot as they are (pipelined into shared
-memory on a GPU), and the roundings to bf16 are the GPU's conversion instruction; the bit
-arithmetic is left to the MX quantizations, which need it.
+memory on a GPU), and the roundings to bf16 are the GPU's conversion instruction.
 
 What is exact:
 * Every tile quantization is bit for bit eager fake_quantize(T, fmt, axis, scale_mode) of the
   kernel's own unquantized T (P along keys and rows, dS along keys and rows), tail blocks
-  (sk or R not multiples of 32) included: the same integer arithmetic on the float bits as the
-  MX QDQ kernel (mx.mx_quantize_blocks), and every rounding to bf16 is to nearest even (the
+  (sk or R not multiples of 32) included: the same arithmetic as the MX QDQ kernel
+  (mx.mx_quantize_blocks: the block exponent from the bits, then bits.nearest_on_grid's exact
+  float operations), and every rounding to bf16 is to nearest even (the
   GPU's conversion instruction; under the interpreter, whose conversion truncates, on the
   bits).
 * The roundings of S, S * scale, P, dP, dx and dS to the input dtype sit where the chunked
-  path has them. With bf16 and a power-of-two softmax scale (head dim 64, 256) S * scale and
+  path has them. With bf16 and a power-of-two softmax scale (head dim 64 or 16) S * scale and
   dS are rounded once, after the scaling: the same numbers wherever they are at least 2**-126
   (bf16's normal range, where rounding commutes with a power-of-two scaling).
 * The backward recomputes the forward's P bit for bit (same Q_q and K_q: the QK^T fprop
@@ -103,7 +103,8 @@ What differs from the chunked path (summation order and transcendental functions
 * fp32 accumulation order of every GEMM (tiles vs the BLAS's order), of the softmax sum
   (online over key tiles, rescaled by exp(m_old - m_new)) and of delta;
 * exp(t) is 2**(t * log2(e)) (the product rounded to float32; 2**t is the GPU's approximate
-  ex2, numpy's exp2 under the interpreter) instead of torch's exp, and the probabilities are
+  ex2, which flushes results below 2**-126 to zero, numpy's exp2 under the interpreter)
+  instead of torch's exp, and the probabilities are
   multiplied by the row's 1 / l (torch's CPU softmax does the same, with its own sum; its CUDA
   softmax divides): each within an ulp or two of the exact softmax;
 * dK and dV are rounded to the dtype once, after accumulating all query rows in fp32; the
@@ -169,8 +170,9 @@ OperandQuantizer = Callable[[str, str, str, str, torch.Tensor, int], torch.Tenso
 # * The backward reads m and 1 / l from the forward and computes P = exp(x - m) * (1 / l)
 #   element by element: the forward's P bit for bit, whatever the backward's tiles.
 # So the forward and the dQ kernel take one tile shape and warp count per GPU generation and
-# dtype (timed: only their pipeline stages, which move loads, not arithmetic); the dK/dV
-# kernel, which sums nothing but its tl.dot chains, is timed over tile shapes and warps.
+# dtype (timed: only their pipeline stages, which move loads, not arithmetic, and a register
+# cap, which moves values between registers and memory); the dK/dV kernel, which sums nothing
+# but its tl.dot chains, is timed over tile shapes, warps and a register cap.
 # Under Triton's interpreter (the CPU tests) nothing is timed: each kernel takes its
 # INTERPRETER_TILES entry. There tl.dot is numpy's matmul, whose float32 summation order
 # depends on the operands' shapes and layouts (OpenBLAS picks its kernels by size), so by
