@@ -396,6 +396,12 @@ def _score_grad(dx, scale, IS_BF16: tl.constexpr, POW2_SCALE: tl.constexpr):
 
 
 @triton.jit
+def _last_key_seen_by_all(last_visible, row_ok, SK):
+    """The last key that every row of a query tile sees (rows past R see them all)."""
+    return tl.min(tl.where(row_ok, last_visible, SK), axis=0)
+
+
+@triton.jit
 def _key_ranges(rows, last_visible, R, SK, BLOCK_N_: tl.constexpr, CAUSAL: tl.constexpr,
                 SKIP: tl.constexpr):
     """(full, end) for a query tile: the key tiles below `full` lie inside sk and every row
@@ -404,7 +410,7 @@ def _key_ranges(rows, last_visible, R, SK, BLOCK_N_: tl.constexpr, CAUSAL: tl.co
     probabilities spread over every key) or when not SKIP."""
     row_ok = rows < R
     if CAUSAL:
-        seen_by_all = tl.min(tl.where(row_ok, last_visible, SK), axis=0) + 1
+        seen_by_all = _last_key_seen_by_all(last_visible, row_ok, SK) + 1
         full = tl.minimum(tl.maximum(seen_by_all, 0), SK) // BLOCK_N_ * BLOCK_N_
         reach = tl.max(tl.where(row_ok, last_visible + 1, 0), axis=0)
         blind = tl.max((row_ok & (last_visible < 0)).to(tl.int32), axis=0)
@@ -424,8 +430,7 @@ def _key_tile_scores(q, kt_ptr, n0, dims, last_visible, scale, SK, D, MASKED: tl
     key, -inf past the last key (outside the softmax)."""
     cols = n0 + tl.arange(0, BLOCK_N_)
     kt = _load(kt_ptr, dims, cols, SK, 1, D, SK, IS_BF16)
-    x = _scaled_scores(tl.dot(q, kt, input_precision=PRECISION), scale, IS_BF16,
-                       POW2_SCALE)
+    x = _scaled_scores(tl.dot(q, kt, input_precision=PRECISION), scale, IS_BF16, POW2_SCALE)
     if MASKED:
         if CAUSAL:
             x = tl.where(cols[None, :] > last_visible[:, None], MASK_FILL, x)
@@ -716,8 +721,7 @@ def _backward_key_kernel(q_ptr, qw_ptr, kt_ptr, vd_ptr, do_ptr, dow_ptr, m_ptr, 
     for m0 in range(0, R, BLOCK_M_):
         rows = m0 + tl.arange(0, BLOCK_M_)
         last_visible = _positions(m0, SQ, BLOCK_M_) + (SK - SQ)
-        seen_by_all = tl.min(tl.where(rows < R, last_visible, SK), axis=0)
-        if CAUSAL and seen_by_all >= first_key + BLOCK_N_ - 1:
+        if CAUSAL and _last_key_seen_by_all(last_visible, rows < R, SK) >= first_key + BLOCK_N_ - 1:
             dk, dv = _key_step(dk, dv, k_tile, v_tile, q_ptr, qw_ptr, do_ptr, dow_ptr, m_ptr,
                                inv_l_ptr, delta_ptr, p_dbg, pq_dbg, ds_dbg, dsq_dbg, rows, cols,
                                last_visible, dims, vdims, scale, R, SK, D, DV, P_FMT, DS_FMT, False,
@@ -791,8 +795,8 @@ def specialisation(name: str, config: TileConfig, head_dim: int,
     """(kernel, constexprs, argument types, compile options) of a launch of the kernel `name`
     ("forward", "query" or "key") with tile configuration `config`, d = dv = head_dim, the
     softmax scale 1/sqrt(head_dim) and every tile slot in MX format `fmt` (format, scale
-    rule), as training launches it: what
-    kernels/offline.py compiles for a GPU that is not here."""
+    rule), as training launches it: what kernels/offline.py compiles for a GPU that is not
+    here."""
     slot = _slot_constants(*fmt)
     kernel, slots = {"forward": (_forward_kernel, {"P_FMT": slot}),
                      "query": (_backward_query_kernel, {"DS_FMT": slot}),
