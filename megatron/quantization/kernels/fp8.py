@@ -32,8 +32,7 @@ from megatron.quantization.formats.fp8 import (
 from megatron.quantization.kernels.amax import tensor_amax
 from megatron.quantization.kernels.bits import (
     as_blocks, block_offsets, element_constants, load_bits, load_noise, nearest_on_grid, pack,
-    stochastic_round_to_grid,
-    store_bits, tile_offsets)
+    stochastic_round_to_grid, store_bits, tile_offsets)
 from megatron.quantization.kernels.tuning import (
     ELEMENTS_PER_PROGRAM, axis_launch, launch, tile_launch)
 

@@ -20,7 +20,6 @@ from megatron.quantization.kernels.bits import load_bits, store_bits
 from megatron.quantization.kernels.tuning import ELEMENTS_PER_PROGRAM, launch
 
 
-
 @triton.jit
 def hifp8_qdq_kernel(x_ptr, y_ptr, numel, SATURATE: tl.constexpr, IS_BF16: tl.constexpr,
                      BLOCK_: tl.constexpr):

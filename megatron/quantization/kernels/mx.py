@@ -46,7 +46,6 @@ from megatron.quantization.kernels.hadamard import hadamard_launch, rotate
 from megatron.quantization.kernels.tuning import axis_launch, launch
 
 
-
 @triton.jit
 def mx_quantize_blocks(u, noise, EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                        TOP_SIG: tl.constexpr, BUMP_ABOVE: tl.constexpr,
@@ -93,6 +92,7 @@ def _scaled_nearest(mag, e, EMIN: tl.constexpr, MBITS: tl.constexpr, TOP_SIG: tl
     r = nearest_on_grid(mag.to(tl.float32, bitcast=True) * down[:, None], EMIN, MBITS, TOP_SIG,
                         EMAX)
     return (r * up[:, None]).to(tl.int32, bitcast=True)
+
 
 @triton.jit
 def mx_qdq_kernel(x_ptr, noise_ptr, y_ptr, signs_ptr, n_blocks, length, inner, blocks_per_row,
